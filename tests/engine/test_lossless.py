@@ -1,0 +1,60 @@
+"""Greedy speculative decoding is token-for-token the target's own greedy decoding."""
+from __future__ import annotations
+
+import pytest
+
+from eagle_serve.engine import SamplingParams
+from eagle_serve.local import build_local_engine
+from eagle_serve.testing import OracleDrafter
+
+MAX_TOKENS = 24
+
+
+def engine_for(target, head=None, **overrides):
+    overrides.setdefault("eos_token_ids", ())
+    return build_local_engine(target, head, dtype="float64", **overrides)
+
+
+def greedy(k):
+    return SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k)
+
+
+def test_plain_greedy_equals_hf_generate(tiny_target, prompts, hf_greedy):
+    engine = engine_for(tiny_target)
+    results = engine.generate(prompts, greedy(0))
+    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts]
+    assert all(r.finish_reason == "length" for r in results)
+
+
+@pytest.mark.parametrize("head_name", ["eagle1_head", "eagle3_head"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_speculative_greedy_equals_hf_generate(request, tiny_target, prompts, hf_greedy, head_name, k):
+    engine = engine_for(tiny_target, request.getfixturevalue(head_name))
+    results = engine.generate(prompts, greedy(k))
+    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts]
+    assert engine.stats.draft_tokens > 0
+    assert engine.idle_counts() == {"target_pages_free": 256, "drafter_pages_free": 256,
+                                    "draft_slots_free": 128}
+
+
+@pytest.mark.parametrize("max_running", [1, 3, 8])
+def test_batch_size_does_not_change_greedy_output(tiny_target, eagle3_head, prompts, hf_greedy,
+                                                  max_running):
+    engine = engine_for(tiny_target, eagle3_head, max_running=max_running)
+    params = [greedy(k) for k in (0, 3, 1, 4, 2, 0, 7, 5)]  # mixed k in one batch
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_oracle_drafts_are_mostly_accepted_and_output_stays_exact(tiny_target, prompts, hf_greedy, k):
+    expected = [hf_greedy(p, MAX_TOKENS) for p in prompts]
+    engine = engine_for(tiny_target)
+    oracle = OracleDrafter([p + e for p, e in zip(prompts, expected)], engine.target.vocab_size)
+    engine.drafter = oracle
+    results = engine.generate(prompts, greedy(k))
+    assert [r.token_ids for r in results] == expected
+    s = engine.stats
+    assert s.accepted_tokens / s.draft_tokens >= 0.5
+    assert max(r.acceptance_length for r in results) > 1.5  # multi-token rounds really ran
+    assert engine.idle_counts()["target_pages_free"] == 256

@@ -1,0 +1,86 @@
+"""Sampling and rejection sampling reproduce the target distribution (fixed seeds, alpha 1e-6)."""
+from __future__ import annotations
+
+import torch
+from scipy.stats import chi2
+
+from kernels.rejection import greedy_accept_ref, random_accept_ref
+from kernels.sampling import DRAFT, compute_probs_ref, keyed_uniform, sample_ref
+
+ALPHA = 1e-6
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit over the cells with positive probability."""
+    n = counts.sum()
+    support = probs > 0
+    assert int(counts[~support].sum()) == 0, "a token with probability 0 was produced"
+    expected = probs[support].double() * n
+    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    return float(chi2.sf(stat, int(support.sum()) - 1))
+
+
+def test_greedy_accepts_the_matching_prefix_then_the_targets_token():
+    drafts = torch.tensor([5, 6, 7, 1, 2, 9])
+    cu = torch.tensor([0, 3, 3, 6])  # requests with 3, 0 and 3 drafts
+    argmax = torch.tensor([5, 6, 8, 4,  # r0: 2 match, then 8 replaces 7
+                           3,           # r1: no drafts -> its token
+                           1, 2, 9, 11])  # r2: all match + bonus 11
+    out, num = greedy_accept_ref(drafts, cu, argmax)
+    assert num.tolist() == [3, 1, 4]
+    assert out.tolist() == [[5, 6, 8, -1], [3, -1, -1, -1], [1, 2, 9, 11]]
+
+
+def test_keyed_uniforms_depend_only_on_the_key():
+    a = keyed_uniform(7, 100, DRAFT, 5)
+    assert torch.equal(a, keyed_uniform(7, 100, DRAFT, 5))
+    assert not torch.equal(a, keyed_uniform(7, 101, DRAFT, 5))
+    assert not torch.equal(a, keyed_uniform(8, 100, DRAFT, 5))
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    probs = compute_probs_ref(logits, torch.ones(3), torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.8, 0.1]))
+    assert torch.allclose(probs[0], torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+    assert torch.allclose(probs[1], torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    assert torch.allclose(probs[2], torch.tensor([1.0, 0, 0, 0, 0]))
+
+
+def test_exponential_race_sampling_follows_the_distribution():
+    probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1, 0.0])
+    n = 20000
+    draws = sample_ref(probs.expand(n, -1), [3] * n, list(range(n)), DRAFT)
+    assert chi2_pvalue(torch.bincount(draws, minlength=7), probs) > ALPHA
+
+
+def test_rejection_sampling_reproduces_the_target_distribution_over_two_positions():
+    """Drafts come from q (unlike p); the emitted first two tokens must follow p0 x p1."""
+    torch.manual_seed(0)
+    vocab, n = 6, 12000
+    p = torch.softmax(torch.randn(3, vocab) * 1.5, dim=1)  # target at positions 0, 1, 2 (bonus)
+    q = torch.softmax(torch.randn(2, vocab) * 1.5, dim=1)  # drafter at positions 0, 1
+    q[0, 2] = 0.0  # a token the drafter never proposes must still come out (via the residual)
+    q[0] /= q[0].sum()
+    counts = torch.zeros(vocab * vocab)
+    for trial in range(n):
+        seed = 1_000_003 * trial + 17
+        drafts = sample_ref(q, [seed, seed], [0, 1], DRAFT)
+        out, num = random_accept_ref(drafts, torch.tensor([0, 2]), p, q, [seed], [0])
+        assert num[0] >= 1
+        if num[0] >= 2:
+            counts[out[0, 0] * vocab + out[0, 1]] += 1
+        else:  # first draft rejected: the second token is sampled from p1 in the next round
+            second = sample_ref(p[1:2], [seed + 1], [1], DRAFT)[0]
+            counts[out[0, 0] * vocab + second] += 1
+    joint = (p[0].unsqueeze(1) * p[1].unsqueeze(0)).flatten()
+    assert chi2_pvalue(counts, joint) > ALPHA
+
+
+def test_random_acceptance_is_exactly_repeatable_for_a_seed():
+    torch.manual_seed(1)
+    p = torch.softmax(torch.randn(4, 9), dim=1)
+    q = torch.softmax(torch.randn(3, 9), dim=1)
+    drafts = sample_ref(q, [5] * 3, [10, 11, 12], DRAFT)
+    first = random_accept_ref(drafts, torch.tensor([0, 3]), p, q, [5], [10])
+    again = random_accept_ref(drafts, torch.tensor([0, 3]), p, q, [5], [10])
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
