@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_serve.interfaces import DrafterRunner, RaggedBatch, RowSampling, TargetRunner
+from eagle_serve.interfaces import DrafterRunner, KVLost, RaggedBatch, RowSampling, TargetRunner
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.stopping import StopChecker
 from eagle_serve.workspace import DraftWorkspace
@@ -129,6 +129,7 @@ class _Request:
 
 @dataclass
 class EngineStats:
+    steps: int = 0                    # batched rounds (one target forward each)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rounds: int = 0
@@ -200,11 +201,16 @@ class Engine:
         self._drain_inbox(outputs)
         self._schedule()
         if self.running:
-            batch, logit_rows, sampling, plan = self._target_batch()
-            result = self.target.forward(batch, logit_rows, sampling)
-            emitted = self._accept(result, plan)
-            features = self._advance(result.hidden, plan, emitted)
-            self._draft(features)
+            try:
+                batch, logit_rows, sampling, plan = self._target_batch()
+                result = self.target.forward(batch, logit_rows, sampling)
+                self.stats.steps += 1
+                emitted = self._accept(result, plan)
+                features = self._advance(result.hidden, plan, emitted)
+                self._draft(features)
+            except KVLost:  # tokens verified so far stand; all KV is recomputed
+                for req in list(reversed(self.running)):
+                    self._preempt(req)
         for req in list(self.running):
             out = self._output(req)
             if out is not None:
@@ -249,6 +255,17 @@ class Engine:
                 break
             self.running.append(self.waiting.popleft())
         self.running.sort(key=lambda r: r.arrival)
+
+    def fail_all(self) -> list[str]:
+        """Drop every request (after an unrecoverable model error); -> their ids."""
+        with self._lock:
+            dropped = [item.id for kind, item in self._inbox if kind == "add"]
+            self._inbox.clear()
+        for req in self.running + list(self.waiting):
+            self._release(req)
+            dropped.append(req.id)
+        self.running, self.waiting = [], deque()
+        return dropped
 
     def _preempt(self, req: _Request) -> None:
         """Free everything and requeue; the request is recomputed when readmitted."""

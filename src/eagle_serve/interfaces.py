@@ -13,6 +13,10 @@ from typing import Protocol
 import torch
 
 
+class KVLost(RuntimeError):
+    """A model process lost its KV cache (it restarted); every running request recomputes."""
+
+
 @dataclass
 class RaggedBatch:
     """New tokens of several requests in one flat batch, against a paged KV cache.

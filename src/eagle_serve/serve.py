@@ -6,6 +6,7 @@ the tests start the server exactly as users do.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -16,15 +17,24 @@ from eagle_serve import paths
 
 def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The stub embeds libpython and finds packages through `python3` on PATH: put the venv
-    first, and the base interpreter's LIBDIR on LD_LIBRARY_PATH (else Debian's libpython)."""
+    first, and the base interpreter's LIBDIR on LD_LIBRARY_PATH (else Debian's libpython).
+    The binary's own libraries stay in the wheel's `nvidia_pytriton.libs` (its RPATH is
+    relative to the wheel, not to our copy of the tree)."""
     env = dict(os.environ if base is None else base)
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-    libdir = sysconfig.get_config_var("LIBDIR")
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH")) if p)
+    libdirs = [sysconfig.get_config_var("LIBDIR"), str(_wheel_libs()), env.get("LD_LIBRARY_PATH")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libdirs if p)
     env.setdefault("EAGLE_CACHE", str(paths.cache_dir()))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def _wheel_libs() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None:
+        raise SystemExit("nvidia-pytriton is not installed: run `make setup`")
+    return Path(spec.submodule_search_locations[0]).parent / "nvidia_pytriton.libs"
 
 
 def server_command(model_repository: Path, http_port: int, grpc_port: int, metrics_port: int,

@@ -1,0 +1,13 @@
+"""eagle_target: a thin shell over eagle_serve.workers.TargetWorker (one instance, BLS only)."""
+import triton_python_backend_utils as pb_utils
+
+from eagle_serve import triton_utils as tu
+from eagle_serve.workers import TargetWorker
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.worker = TargetWorker(args)
+
+    def execute(self, requests):
+        return tu.respond_each(requests, lambda request: self.worker.handle(pb_utils, request))

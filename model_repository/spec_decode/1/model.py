@@ -1,0 +1,38 @@
+"""spec_decode: decoupled; hands each request to the engine thread (eagle_serve.service)."""
+import json
+
+import triton_python_backend_utils as pb_utils
+from transformers import AutoConfig, AutoTokenizer
+
+from eagle_serve import triton_utils as tu
+from eagle_serve.bls import BlsDrafter, BlsTarget
+from eagle_serve.engine import Engine
+from eagle_serve.local import eos_token_ids
+from eagle_serve.metrics import EngineMetrics
+from eagle_serve.service import SpecDecodeService
+from eagle_serve.settings import ServingSettings
+from eagle_serve.workers import instance_device
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        tu.require_single_instance(config)
+        settings = ServingSettings.from_parameters(tu.model_parameters(config))
+        target_dir, drafter_dir = settings.model_dirs(tu.repository_dir(args))
+        device = instance_device(args)
+        vocab = AutoConfig.from_pretrained(str(target_dir)).vocab_size
+        target = BlsTarget(pb_utils, vocab, device)
+        drafter = BlsDrafter(pb_utils, vocab, device) if drafter_dir is not None else None
+        engine = Engine(target, drafter, settings.engine_config(eos_token_ids(target_dir)),
+                        tokenizer=AutoTokenizer.from_pretrained(str(target_dir)), device=device)
+        metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)
+        self.service = SpecDecodeService(pb_utils, engine, metrics)
+
+    def execute(self, requests):
+        for request in requests:
+            self.service.submit(request)
+        return None
+
+    def finalize(self):
+        self.service.shutdown()

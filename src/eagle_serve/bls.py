@@ -1,0 +1,108 @@
+"""The engine's runners over Triton BLS, and the tensor conventions of those calls.
+
+`BlsTarget` / `BlsDrafter` implement `TargetRunner` / `DrafterRunner` by calling the
+`eagle_target` / `eagle_drafter` models; `batch_from_request` etc. are what those models use to
+read the same tensors back. Tensors cross processes through DLPack (GPU tensors stay on the GPU
+on KIND_GPU instances). Each model reports an epoch (random per process start): a changed
+epoch means the model's KV tensors are gone, and the engine recomputes (`KVLost`).
+
+Only `triton_python_backend_utils` (passed in as `pb`) ties this to Triton.
+"""
+from __future__ import annotations
+
+import torch
+
+from eagle_serve.interfaces import DraftOutput, KVLost, RaggedBatch, RowSampling, TargetOutput
+
+BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "block_tables", "slot_mapping")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
+
+
+def to_pb(pb, name: str, tensor: torch.Tensor):
+    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor.contiguous()))
+
+
+def input_tensor(pb, request, name: str) -> torch.Tensor:
+    """A request's input as a torch tensor, zero-copy."""
+    tensor = pb.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise ValueError(f"input '{name}' is missing")
+    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+
+
+def output_tensor(pb, response, name: str) -> torch.Tensor | None:
+    """A BLS response's output as a torch tensor (None if absent), zero-copy."""
+    tensor = pb.get_output_tensor_by_name(response, name)
+    return None if tensor is None else torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+
+
+def batch_tensors(pb, batch: RaggedBatch, sampling: RowSampling) -> list:
+    return ([to_pb(pb, f, getattr(batch, f)) for f in BATCH_FIELDS]
+            + [to_pb(pb, f, getattr(sampling, f)) for f in SAMPLING_FIELDS])
+
+
+def batch_from_request(pb, request, device) -> tuple[RaggedBatch, RowSampling]:
+    read = lambda name: input_tensor(pb, request, name).to(device)  # noqa: E731
+    return (RaggedBatch(*(read(f) for f in BATCH_FIELDS)),
+            RowSampling(*(read(f) for f in SAMPLING_FIELDS)))
+
+
+class _BlsModel:
+    def __init__(self, pb, model_name: str, device):
+        self.pb, self.model_name, self.device = pb, model_name, torch.device(device)
+        self.epoch: int | None = None
+
+    def call(self, inputs: list, outputs: list[str]) -> dict[str, torch.Tensor]:
+        pb = self.pb
+        kwargs = {}
+        if self.device.type == "cuda":
+            kwargs["preferred_memory"] = pb.PreferredMemory(pb.TRITONSERVER_MEMORY_GPU, self.device.index or 0)
+        response = pb.InferenceRequest(model_name=self.model_name, inputs=inputs,
+                                       requested_output_names=outputs + ["epoch"], **kwargs).exec()
+        if response.has_error():
+            raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+        result = {name: output_tensor(pb, response, name) for name in outputs + ["epoch"]}
+        epoch = int(result.pop("epoch")[0])
+        if self.epoch is not None and epoch != self.epoch:
+            self.epoch = epoch
+            raise KVLost(f"{self.model_name} restarted: its KV cache is gone")
+        self.epoch = epoch
+        return {k: v.to(self.device) for k, v in result.items() if v is not None}
+
+
+class BlsTarget(_BlsModel):
+    def __init__(self, pb, vocab_size: int, device="cpu", model_name: str = "eagle_target"):
+        super().__init__(pb, model_name, device)
+        self.vocab_size = vocab_size
+
+    def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor,
+                sampling: RowSampling) -> TargetOutput:
+        outputs = ["hidden", "argmax"] + (["probs"] if bool(sampling.sampled.any()) else [])
+        inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "logit_rows", logit_rows)]
+        r = self.call(inputs, outputs)
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)  # no rows needed logits
+        probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))
+        return TargetOutput(hidden=r["hidden"], argmax=r.get("argmax", empty), probs=probs)
+
+
+class BlsDrafter(_BlsModel):
+    def __init__(self, pb, vocab_size: int, device="cpu", model_name: str = "eagle_drafter"):
+        super().__init__(pb, model_name, device)
+        self.vocab_size = vocab_size
+
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
+                sampling: RowSampling) -> DraftOutput:
+        wants_probs = bool((sampling.sampled & (num_drafts > 0)).any())
+        outputs = ["tokens"] + (["probs"] if wants_probs else [])
+        inputs = batch_tensors(self.pb, batch, sampling) + [
+            to_pb(self.pb, "features", features), to_pb(self.pb, "num_drafts", num_drafts)]
+        r = self.call(inputs, outputs)
+        no_drafts = torch.zeros((num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)
+        probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))
+        return DraftOutput(tokens=r.get("tokens", no_drafts), probs=probs)
+
+
+def response_tensors(pb, named: dict[str, torch.Tensor], epoch: int) -> list:
+    """Outputs of a model call; empty tensors are left out (requested only when non-empty)."""
+    tensors = [to_pb(pb, name, t) for name, t in named.items() if t.numel() > 0]
+    return tensors + [to_pb(pb, "epoch", torch.tensor([epoch], dtype=torch.int64))]

@@ -1,0 +1,75 @@
+"""Serving settings: one place, the `parameters` of `spec_decode/config.pbtxt`.
+
+`eagle_target` and `eagle_drafter` read the same block (from the spec_decode folder of their
+repository), so model folders, dtype and cache sizes can never disagree between the process
+that allocates pages and the processes that hold the KV tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from eagle_serve import paths
+from eagle_serve.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    target_model: str = "default"              # HF folder; "default" = SmolLM2-135M-Instruct
+    drafter_model: str = "default-drafter"     # EAGLE head folder; "none" = no drafter
+    dtype: str = "auto"                        # auto = float32 on CPU, bfloat16 on GPU
+    page_size: int = 16
+    num_target_pages: int = 512                # KV pages of the target (x page_size positions)
+    num_drafter_pages: int = 512
+    num_draft_slots: int = 256                 # draft tokens in flight
+    max_running: int = 8                       # requests in one round
+    max_waiting: int = 64                      # queued beyond that; more -> "server busy"
+    max_model_len: int = 2048
+    num_speculative_tokens: int = 0            # default k of a request
+    max_speculative_tokens: int = 8
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "ServingSettings":
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = set(params) - set(known) - {"FORCE_CPU_ONLY_INPUT_TENSORS"}
+        if unknown:
+            raise ValueError(f"unknown spec_decode parameters: {sorted(unknown)}")
+        values = {}
+        for name, value in params.items():
+            if name in known:
+                values[name] = int(value) if known[name] in (int, "int") else value
+        return cls(**values)
+
+    def model_dirs(self, repo_dir: Path) -> tuple[Path, Path | None]:
+        target = paths.resolve_model_path(self.target_model or "default", repo_dir)
+        if self.drafter_model in ("", "none"):
+            return target, None
+        return target, paths.resolve_model_path(self.drafter_model, repo_dir)
+
+    def torch_dtype(self, on_gpu: bool):
+        import torch
+        names = {"float32": torch.float32, "float64": torch.float64,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype == "auto":
+            return torch.bfloat16 if on_gpu else torch.float32
+        return names[self.dtype]
+
+    def engine_config(self, eos_token_ids: tuple[int, ...]) -> EngineConfig:
+        return EngineConfig(
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_speculative_tokens=self.max_speculative_tokens, max_running=self.max_running,
+            max_waiting=self.max_waiting, max_model_len=self.max_model_len,
+            page_size=self.page_size, num_target_pages=self.num_target_pages,
+            num_drafter_pages=self.num_drafter_pages, num_draft_slots=self.num_draft_slots,
+            eos_token_ids=eos_token_ids)
+
+
+def read_settings(repo_dir: Path) -> ServingSettings:
+    """The parameters of <repo>/spec_decode/config.pbtxt."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    text = (Path(repo_dir) / "spec_decode" / "config.pbtxt").read_text()
+    config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    return ServingSettings.from_parameters(
+        {k: v.string_value for k, v in config.parameters.items()})

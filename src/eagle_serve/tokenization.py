@@ -1,0 +1,85 @@
+"""Text <-> token ids for the preprocess and postprocess models.
+
+`encode_prompt` turns a user message (or a raw prompt) into the ids the target sees.
+`decode_delta` is a stateless incremental detokenizer: given a short window of earlier ids and
+the new ones, it returns the text the new ones add. Knows nothing about Triton or the engine.
+
+Held-back text: a stream can end a response in the middle of a multi-byte UTF-8 character,
+which the tokenizer decodes to U+FFFD. Up to `HOLD` trailing U+FFFD are never emitted early;
+the next call re-decodes them from its window (they are in `prev_ids`) and emits them once the
+character is complete, or as they are when `final` is set. `HOLD` is 3 because an incomplete
+character has at most 3 bytes: byte-level decoders (GPT-2/Llama-3 style) turn it into one
+U+FFFD, byte-fallback decoders (SentencePiece/Llama-2 style) into one per byte.
+
+Window: spec_decode sends the `WINDOW` ids before each chunk (`detok_window`), held-back ones
+included. A window cut inside a character decodes that character's first (up to 3) bytes as
+stray U+FFFD; from there on it decodes exactly like the full text. The deltas are exact when
+the held-back tail (<= 3 U+FFFD) lies after those stray bytes, which holds once the window
+carries 3 + 7 bytes (7 bytes always decode to 3 characters or to one that is not U+FFFD). Every
+id but a skipped special token carries at least one byte, so 16 ids are exact with up to 6 of
+those in the window; 8 are not enough (see the counter-example in the tests). The property
+"concatenated deltas == decode(all ids)" is tested with hypothesis on the default (byte-level)
+tokenizer; byte-fallback decoders turn a whole run of byte tokens into U+FFFD when any of it is
+invalid, so for them it holds as long as byte tokens form valid UTF-8 (as a model's text does).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+REPLACEMENT = "\ufffd"
+HOLD = 3
+WINDOW = 16
+
+
+def load_tokenizer(folder: str | Path):
+    """The Hugging Face tokenizer of a model folder (tokenizer.json and chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer, text: str, apply_chat_template: bool = True) -> list[int]:
+    """Ids of `text` as a single user message with the assistant prompt opened, or of the raw
+    text when `apply_chat_template` is false. No special tokens beyond the template's."""
+    if apply_chat_template:
+        if not has_chat_template(tokenizer):
+            raise ValueError("the tokenizer has no chat template; send apply_chat_template=false")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Plain decode with no space clean-up (clean-up would make decode non-additive)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=False)
+
+
+def stable_prefix(text: str) -> str:
+    """`text` without up to `HOLD` trailing U+FFFD: the part later ids cannot change."""
+    end = len(text)
+    while end > max(0, len(text) - HOLD) and text[end - 1] == REPLACEMENT:
+        end -= 1
+    return text[:end]
+
+
+def decode_delta(tokenizer, prev_ids: Sequence[int], new_ids: Sequence[int], final: bool,
+                 skip_special_tokens: bool = True) -> str:
+    """Text added by `new_ids` after `prev_ids`: decode(prev + new) minus the stable part of
+    decode(prev); a trailing incomplete character is held back unless `final`."""
+    prev_ids, new_ids = list(prev_ids), list(new_ids)
+    before = stable_prefix(decode(tokenizer, prev_ids, skip_special_tokens))
+    after = decode(tokenizer, prev_ids + new_ids, skip_special_tokens)
+    end = len(after) if final else len(stable_prefix(after))
+    return after[len(before):max(end, len(before))]
+
+
+def detok_window(all_output_ids: Sequence[int], num_already_sent: int) -> list[int]:
+    """The `prev_ids` spec_decode sends with the ids from `num_already_sent` on: the up to
+    `WINDOW` ids before them, including ids whose text postprocess held back."""
+    return list(all_output_ids[max(0, num_already_sent - WINDOW):num_already_sent])

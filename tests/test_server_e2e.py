@@ -1,0 +1,144 @@
+"""End to end through the real tritonserver: ensemble -> spec_decode -> eagle_target/drafter.
+
+Exact-equality checks run a tiny random Llama in float64 (with the real tokenizer) behind
+synthetic heads in the published EAGLE-1 / EAGLE-3 layouts; the fp32 SmolLM2 runs are smoke
+tests.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import time
+
+import pytest
+
+from eagle_serve.client import grpc_generate, http_generate, http_generate_stream, metrics
+from eagle_serve.engine import SamplingParams
+from eagle_serve.local import build_local_engine
+from eagle_serve.testing import make_random_head, make_tiny_llama
+from eagle_serve.tokenization import encode_prompt
+
+pytestmark = pytest.mark.server
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "List three prime numbers.", "Explain speculative decoding in one sentence, please.",
+           "Hi", "Name a color.", "Tell me a very short story about a robot who learns to paint.",
+           "2+2="]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-models")
+    target = make_tiny_llama(root / "tiny-llama")
+    return {"target": target,
+            "eagle3": make_random_head(root / "eagle3", target, 3, draft_vocab_size=8192),
+            "eagle1": make_random_head(root / "eagle1", target, 1, fc_bias=True, fmt="bin")}
+
+
+def tiny_server(triton_server, tiny_models, head: str):
+    return triton_server(f"tiny64-{head}", overrides={"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models[head]),
+        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
+        "num_target_pages": "256", "num_drafter_pages": "256"}})
+
+
+@pytest.fixture(scope="session")
+def local_expected(tiny_models):
+    """The in-process engine's greedy output for the same prompts (the reference)."""
+    engine = build_local_engine(tiny_models["target"], None, dtype="float64")
+    cache = {}
+
+    def expected(prompt: str, max_tokens: int) -> list[int]:
+        if (prompt, max_tokens) not in cache:
+            ids = encode_prompt(engine.tokenizer, prompt)
+            out = engine.generate([ids], SamplingParams(max_tokens=max_tokens, num_speculative_tokens=0))
+            cache[prompt, max_tokens] = out[0].token_ids
+        return cache[prompt, max_tokens]
+    return expected
+
+
+def wait_for(predicate, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_default_model_answers_over_grpc_stream_http_generate_and_generate_stream(triton_server):
+    server = triton_server("default")
+    streamed = grpc_generate(server.grpc_url, "What is the capital of France?", max_tokens=24,
+                             stream=True, num_speculative_tokens=2)
+    assert streamed.error is None and "Paris" in streamed.text
+    assert streamed.num_responses > 2 and streamed.finish_reason == "stop"
+    whole = http_generate(server.http_url, "What is the capital of France?", max_tokens=24)
+    assert whole.error is None and whole.text == streamed.text
+    assert whole.output_ids == streamed.output_ids
+    sse = http_generate_stream(server.http_url, "What is the capital of France?", max_tokens=24,
+                               stream=True, num_speculative_tokens=4)
+    assert sse.error is None and sse.text == streamed.text and sse.num_responses > 2
+
+
+@pytest.mark.parametrize("head", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("k", [0, 3, 5])
+def test_server_greedy_output_equals_the_in_process_engine(triton_server, tiny_models,
+                                                           local_expected, head, k):
+    server = tiny_server(triton_server, tiny_models, head)
+    for prompt in PROMPTS[:3]:
+        got = grpc_generate(server.grpc_url, prompt, max_tokens=20, stream=True,
+                            num_speculative_tokens=k, ignore_eos=True)
+        assert got.error is None
+        assert got.output_ids == local_expected(prompt, 20)
+        assert got.counters["num_output_tokens"] == 20
+        if k:
+            assert got.counters["num_draft_tokens"] > 0
+
+
+def test_eight_concurrent_streams_match_their_solo_runs_and_are_batched(triton_server, tiny_models):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    params = [dict(max_tokens=12 + 3 * i, num_speculative_tokens=i % 5, stream=True, ignore_eos=True,
+                   **({"temperature": 0.8, "top_p": 0.9, "seed": 7 + i} if i % 3 == 2 else {}))
+              for i in range(8)]
+    solo = [grpc_generate(server.grpc_url, p, **kw) for p, kw in zip(PROMPTS, params)]
+    before = metrics(server.metrics_url)
+    with futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda a: grpc_generate(server.grpc_url, a[0], **a[1]),
+                                 zip(PROMPTS, params)))
+    after = metrics(server.metrics_url)
+    for s, t in zip(solo, together):
+        assert s.error is None and t.error is None
+        assert t.output_ids == s.output_ids  # greedy and seeded sampling alike
+    rounds = sum(t.counters["num_rounds"] for t in together)
+    steps = after["eagle_engine_steps_total"] - before["eagle_engine_steps_total"]
+    assert after["eagle_spec_decode_rounds_total"] - before["eagle_spec_decode_rounds_total"] == rounds
+    assert steps < rounds  # several requests shared each batched round
+
+
+def test_metrics_move_and_pages_and_slots_return_to_idle(triton_server, tiny_models):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    got = grpc_generate(server.grpc_url, PROMPTS[1], max_tokens=16, num_speculative_tokens=4)
+    assert got.error is None
+    m = metrics(server.metrics_url)
+    assert m["eagle_spec_decode_draft_tokens_total"] > 0
+    assert m['eagle_spec_decode_accepted_tokens_per_position_total{position="1"}'] >= 0
+    assert m["eagle_spec_decode_rounds_total"] >= got.counters["num_rounds"]
+    assert 'eagle_time_to_first_token_seconds_count' in m and m['eagle_time_to_first_token_seconds_count'] > 0
+
+    def idle():
+        m = metrics(server.metrics_url)
+        return (m['eagle_kv_pages_free{pool="target"}'] == m['eagle_kv_pages_total{pool="target"}'] == 256
+                and m['eagle_kv_pages_free{pool="drafter"}'] == 256
+                and m["eagle_draft_slots_free"] == 256 and m["eagle_requests_running"] == 0)
+    assert wait_for(idle)
+
+
+def test_a_bad_request_gets_a_clear_error_and_the_next_one_works(triton_server, tiny_models,
+                                                                 local_expected):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    bad = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=20, top_p=1.5)
+    assert bad.error is not None and "top_p" in bad.error
+    bad_http = http_generate(server.http_url, PROMPTS[0], max_tokens=20, num_speculative_tokens=99)
+    assert bad_http.error is not None and "num_speculative_tokens" in bad_http.error
+    good = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=20, ignore_eos=True)
+    assert good.error is None and good.output_ids == local_expected(PROMPTS[0], 20)

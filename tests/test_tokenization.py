@@ -1,0 +1,159 @@
+"""Prompt encoding and stateless incremental detokenization on the real default tokenizer."""
+import copy
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from eagle_serve import paths
+from eagle_serve.tokenization import (WINDOW, decode, decode_delta, detok_window, encode_prompt,
+                                      load_tokenizer, stable_prefix)
+
+EMOJI = "😀"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(paths.default_target_dir())
+
+
+@pytest.fixture(scope="module")
+def byte_ids(tokenizer) -> dict[int, int]:
+    """byte -> id of the single-byte token (the vocabulary lacks a few never-used bytes)."""
+    vocab = tokenizer.get_vocab()
+    return {b: vocab[c] for b, c in bytes_to_unicode().items() if c in vocab}
+
+
+@pytest.fixture(scope="module")
+def partial_ids(tokenizer) -> list[int]:
+    """Vocabulary tokens whose bytes end (or start) in the middle of a character."""
+    return [i for i in range(tokenizer.vocab_size) if "\ufffd" in decode(tokenizer, [i])]
+
+
+def as_byte_tokens(byte_ids, data: bytes) -> list[int]:
+    return [byte_ids[b] for b in data]
+
+
+def stream(tokenizer, ids, chunk_sizes, window=WINDOW, check_prompt=False) -> list[str]:
+    """The deltas postprocess returns when ids arrive in chunks, each with the `window` ids
+    before it; the last chunk is final. With `check_prompt`, also checks that after every
+    chunk all the text but an incomplete tail has gone out."""
+    deltas, sent = [], 0
+    for i, size in enumerate(chunk_sizes):
+        new = ids[sent:sent + size]
+        prev = ids[max(0, sent - window):sent]
+        deltas.append(decode_delta(tokenizer, prev, new, final=i == len(chunk_sizes) - 1))
+        sent += len(new)
+        if check_prompt and i < len(chunk_sizes) - 1:
+            assert "".join(deltas) == stable_prefix(decode(tokenizer, ids[:sent]))
+    assert sent == len(ids)
+    return deltas
+
+
+def test_encode_prompt_wraps_the_text_as_one_user_message_with_the_assistant_turn_opened(
+        tokenizer):
+    ids = encode_prompt(tokenizer, "What is 2+2?")
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                             add_generation_prompt=True)["input_ids"]
+    assert ids == list(expected)
+    assert decode(tokenizer, ids, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_encode_prompt_without_template_encodes_the_raw_text_and_adds_no_special_tokens(
+        tokenizer):
+    ids = encode_prompt(tokenizer, "Once upon a time", apply_chat_template=False)
+    assert ids == tokenizer.encode("Once upon a time", add_special_tokens=False)
+    assert not set(ids) & set(tokenizer.all_special_ids)
+    assert decode(tokenizer, ids) == "Once upon a time"
+
+
+def test_encode_prompt_refuses_the_chat_template_when_the_tokenizer_has_none(tokenizer):
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(plain, "hi")
+
+
+def test_decode_delta_returns_the_text_the_new_ids_add(tokenizer):
+    ids = tokenizer.encode("Hello there, general Kenobi", add_special_tokens=False)
+    assert decode_delta(tokenizer, ids[:3], ids[3:], final=False) == decode(
+        tokenizer, ids)[len(decode(tokenizer, ids[:3])):]
+    assert decode_delta(tokenizer, [], ids, final=False) == "Hello there, general Kenobi"
+
+
+def test_an_emoji_split_across_tokens_is_held_back_until_complete(tokenizer, byte_ids):
+    ids = as_byte_tokens(byte_ids, b"a" + EMOJI.encode())  # a, F0, 9F, 98, 80
+    assert decode_delta(tokenizer, [], ids[:3], final=False) == "a"
+    assert decode_delta(tokenizer, ids[:3], ids[3:4], final=False) == ""
+    assert decode_delta(tokenizer, ids[:4], ids[4:], final=False) == EMOJI
+
+
+def test_the_final_delta_flushes_an_incomplete_character(tokenizer, byte_ids):
+    ids = as_byte_tokens(byte_ids, b"ok" + EMOJI.encode()[:2])
+    assert decode_delta(tokenizer, ids[:2], ids[2:], final=False) == ""
+    assert decode_delta(tokenizer, ids[:2], ids[2:], final=True) == "\ufffd"
+    assert decode_delta(tokenizer, ids, [], final=True) == "\ufffd"
+
+
+def test_special_tokens_are_skipped_unless_asked_for(tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("Done.", add_special_tokens=False) + [eos]
+    assert decode_delta(tokenizer, [], ids, final=True) == "Done."
+    assert decode_delta(tokenizer, [], ids, final=True,
+                        skip_special_tokens=False) == "Done." + tokenizer.eos_token
+
+
+def test_detok_window_is_the_ids_just_before_the_new_ones():
+    ids = list(range(100, 140))
+    assert detok_window(ids, 0) == []
+    assert detok_window(ids, 5) == ids[:5]
+    assert detok_window(ids, 30) == ids[30 - WINDOW:30]
+    assert len(detok_window(ids, 30)) == WINDOW
+
+
+def test_a_window_of_8_ids_can_lose_a_held_back_tail_that_the_default_window_keeps(
+        tokenizer, byte_ids):
+    # the window of 8 starts inside the emoji, then a real U+FFFD and an incomplete char
+    ids = as_byte_tokens(byte_ids, b"x" + EMOJI.encode() + "\ufffd".encode() + b"\xe1\x80a")
+    whole = decode(tokenizer, ids)
+    assert "".join(stream(tokenizer, ids, [10, 1], window=8)) != whole
+    assert "".join(stream(tokenizer, ids, [10, 1])) == whole
+
+
+TEXTS = st.text(alphabet=st.sampled_from("aZ é中😀€\ufffd\n.,ñ𝄞"), min_size=1, max_size=6)
+
+
+@st.composite
+def token_streams(draw, tokenizer, byte_ids, partial_ids):
+    """Ids mixing whole-text tokens, single bytes (valid or not), multi-byte characters split
+    into byte tokens, vocabulary tokens that end mid-character, and a few special tokens;
+    plus how they are chunked into responses (an empty chunk now and then)."""
+    byte_values = sorted(byte_ids)
+    piece = st.one_of(
+        TEXTS.map(lambda t: tokenizer.encode(t, add_special_tokens=False)),
+        st.lists(st.sampled_from(byte_values), min_size=1, max_size=4).map(
+            lambda bs: [byte_ids[b] for b in bs]),
+        TEXTS.map(lambda t: [byte_ids[b] for b in t.encode()]),
+        st.sampled_from(partial_ids).map(lambda i: [i]),
+    )
+    ids = [i for p in draw(st.lists(piece, min_size=1, max_size=20)) for i in p]
+    for _ in range(draw(st.integers(0, 6))):
+        ids.insert(draw(st.integers(0, len(ids))), draw(st.sampled_from(tokenizer.all_special_ids)))
+    sizes = []
+    while sum(sizes) < len(ids):
+        sizes.append(min(draw(st.integers(0, 6)), len(ids) - sum(sizes)))
+    if draw(st.booleans()):
+        sizes.append(0)  # a final response that carries no new ids
+    return ids, sizes
+
+
+def test_concatenated_deltas_equal_the_decode_of_all_ids(tokenizer, byte_ids, partial_ids):
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(token_streams(tokenizer, byte_ids, partial_ids))
+    def check(case):
+        ids, sizes = case
+        assert "".join(stream(tokenizer, ids, sizes, check_prompt=True)) == decode(tokenizer, ids)
+
+    check()

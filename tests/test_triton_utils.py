@@ -1,0 +1,119 @@
+"""Request-parsing helpers of the Python-backend models, against a stand-in for pb_utils."""
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from eagle_serve import triton_utils as tu
+
+
+class FakeTensor:
+    def __init__(self, name, array):
+        self.name, self.array = name, array
+
+    def as_numpy(self):
+        return self.array
+
+
+class FakeTritonError:
+    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
+
+    def __init__(self, message, code=None):
+        self.message, self.code = message, code
+
+
+class FakeResponse:
+    def __init__(self, output_tensors, error=None):
+        self.output_tensors, self.error = output_tensors, error
+
+
+@pytest.fixture
+def pb_utils(monkeypatch):
+    logged = []
+    fake = types.SimpleNamespace(
+        Tensor=FakeTensor, TritonError=FakeTritonError, InferenceResponse=FakeResponse,
+        get_input_tensor_by_name=lambda request, name: request.get(name),
+        Logger=types.SimpleNamespace(log_error=logged.append), logged=logged)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    return fake
+
+
+def request(**arrays) -> dict:
+    return {name: FakeTensor(name, np.asarray(a)) for name, a in arrays.items()}
+
+
+def test_scalar_reads_a_one_value_input_or_falls_back_to_the_default(pb_utils):
+    r = request(max_tokens=np.array([[7]], np.int32), stream=np.array([[True]]))
+    assert tu.scalar(r, "max_tokens", 128) == 7 and type(tu.scalar(r, "max_tokens")) is int
+    assert tu.scalar(r, "stream", False) is True
+    assert tu.scalar(r, "temperature", 0.0) == 0.0
+
+
+def test_a_missing_required_input_is_a_request_error(pb_utils):
+    with pytest.raises(tu.RequestError, match="input 'input_ids' is required"):
+        tu.row(request(), "input_ids", required=True)
+
+
+def test_a_batch_of_more_than_one_row_is_refused_with_a_clear_message(pb_utils):
+    r = request(input_ids=np.zeros((2, 5), np.int32))
+    with pytest.raises(tu.RequestError, match="batch size 2; send one prompt per request"):
+        tu.row(r, "input_ids")
+
+
+def test_a_scalar_input_with_several_values_is_refused(pb_utils):
+    with pytest.raises(tu.RequestError, match="exactly one value, got 3"):
+        tu.scalar(request(top_k=np.array([[1, 2, 3]], np.int32)), "top_k")
+
+
+def test_text_decodes_utf8_and_names_the_first_bad_byte_or_the_limit(pb_utils):
+    assert tu.text(request(t=np.array([["héllo".encode()]], object)), "t") == "héllo"
+    with pytest.raises(tu.RequestError, match=r"not valid UTF-8 \(byte 0xc3 at offset 1\)"):
+        tu.text(request(t=np.array([[b"h\xc3"]], object)), "t")
+    with pytest.raises(tu.RequestError, match="has 5 bytes, more than the limit of 4"):
+        tu.text(request(t=np.array([[b"hello"]], object)), "t", max_bytes=4)
+    assert tu.text(request(), "t", default="") == ""
+
+
+def test_texts_reads_every_string_of_a_list_input(pb_utils):
+    r = request(stop=np.array([[b"\n\n", "ñ".encode()]], object))
+    assert tu.texts(r, "stop") == ["\n\n", "ñ"]
+    assert tu.texts(request(), "stop") == []
+
+
+def test_output_tensors_carry_a_batch_dimension_of_one(pb_utils):
+    assert tu.ids_tensor("ids", [1, 2, 3]).array.tolist() == [[1, 2, 3]]
+    assert tu.ids_tensor("ids", []).array.shape == (1, 0)
+    assert tu.int_tensor("n", 4).array.dtype == np.int32
+    assert tu.text_tensor("t", "ñ").array.tolist() == [["ñ".encode()]]
+
+
+def test_respond_each_answers_every_request_and_keeps_failures_to_their_own(pb_utils):
+    def handler(r):
+        if r["kind"] == "bad":
+            raise tu.RequestError("bad input")
+        if r["kind"] == "bug":
+            raise KeyError("oops")
+        return ["ok"]
+
+    responses = tu.respond_each([{"kind": "good"}, {"kind": "bad"}, {"kind": "bug"},
+                                 {"kind": "good"}], handler)
+    assert [r.output_tensors for r in responses] == [["ok"], [], [], ["ok"]]
+    assert (responses[1].error.message, responses[1].error.code) == ("bad input", "INVALID_ARG")
+    assert responses[2].error.code == "INTERNAL"
+    assert "KeyError" in responses[2].error.message and "oops" in pb_utils.logged[0]
+
+
+def test_instance_count_adds_up_groups_and_gpus():
+    config = {"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]},
+                                 {"kind": "KIND_CPU", "count": 1}]}
+    assert tu.instance_count(config) == 5
+    with pytest.raises(ValueError, match="exactly one instance, config asks for 5"):
+        tu.require_single_instance(config)
+    tu.require_single_instance({"instance_group": [{"kind": "KIND_CPU", "count": 1}]})
+
+
+def test_model_parameters_are_plain_strings():
+    config = {"parameters": {"dtype": {"string_value": "float64"}, "x": {}}}
+    assert tu.model_parameters(config) == {"dtype": "float64", "x": ""}
+    assert tu.flag("True") and tu.flag("1") and not tu.flag("false") and not tu.flag("")
