@@ -142,3 +142,34 @@ def test_a_bad_request_gets_a_clear_error_and_the_next_one_works(triton_server, 
     assert bad_http.error is not None and "num_speculative_tokens" in bad_http.error
     good = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=20, ignore_eos=True)
     assert good.error is None and good.output_ids == local_expected(PROMPTS[0], 20)
+
+
+def test_calling_spec_decode_directly_gives_the_ensembles_text(triton_server, tiny_models):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    for stream in (True, False):
+        via_ensemble = grpc_generate(server.grpc_url, PROMPTS[3], max_tokens=24, stream=stream)
+        direct = grpc_generate(server.grpc_url, PROMPTS[3], model="spec_decode", max_tokens=24,
+                               stream=stream)
+        assert direct.error is None and via_ensemble.error is None
+        assert direct.text == via_ensemble.text and direct.output_ids == via_ensemble.output_ids
+
+
+def test_twenty_direct_streams_cancelled_at_random_points_leave_nothing_behind(triton_server, tiny_models):
+    import random
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    rng = random.Random(20)
+
+    def cancelled_stream(i):
+        return grpc_generate(server.grpc_url, PROMPTS[i % 8], model="spec_decode", max_tokens=1500,
+                             ignore_eos=True, stream=True, num_speculative_tokens=i % 4,
+                             cancel_after_responses=rng.randint(1, 6))
+    with futures.ThreadPoolExecutor(5) as pool:
+        results = list(pool.map(cancelled_stream, range(20)))
+    assert all(r.error is None and r.finish_reason == "cancelled-by-client" for r in results)
+
+    def idle():
+        m = metrics(server.metrics_url)
+        return (m["eagle_requests_running"] == 0 and m["eagle_requests_waiting"] == 0
+                and m['eagle_kv_pages_free{pool="target"}'] == 256
+                and m['eagle_kv_pages_free{pool="drafter"}'] == 256 and m["eagle_draft_slots_free"] == 256)
+    assert wait_for(idle, timeout_s=30)

@@ -18,24 +18,38 @@ import numpy as np
 from eagle_serve import triton_utils as tu
 from eagle_serve.engine import Engine, EngineBusy, RequestOutput, SamplingParams
 from eagle_serve.metrics import EngineMetrics
-from eagle_serve.tokenization import detok_window
+from eagle_serve.tokenization import decode, decode_delta, detok_window, encode_prompt
 
 
 @dataclass
 class _Open:
     sender: object
     stream: bool
+    direct: bool                    # called with text_input: send text_output too
     arrival: float
     output_ids: list[int] = field(default_factory=list)
     num_sent: int = 0
     first_token_at: float | None = None
 
 
-def read_params(request, max_stop_bytes: int = 4096) -> tuple[list[int], SamplingParams, bool]:
-    """One request's prompt ids, sampling parameters and stream flag (RequestError if bad)."""
-    ids = tu.row(request, "input_ids", required=True)
-    if ids is None or ids.size == 0:
+def read_prompt(request, tokenizer, max_input_bytes: int) -> tuple[list[int], bool]:
+    """-> prompt ids, and whether the request came with text (the direct path)."""
+    text = tu.text(request, "text_input", max_bytes=max_input_bytes)
+    if text is not None:
+        if not text:
+            raise tu.RequestError("text_input is empty")
+        template = bool(tu.scalar(request, "apply_chat_template", True))
+        return encode_prompt(tokenizer, text, template), True
+    ids = tu.row(request, "input_ids")
+    if ids is None:
+        raise tu.RequestError("send text_input (or input_ids)")
+    if ids.size == 0:
         raise tu.RequestError("input_ids is empty")
+    return [int(x) for x in ids], False
+
+
+def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bool]:
+    """One request's sampling parameters and stream flag (RequestError if bad)."""
     k = tu.scalar(request, "num_speculative_tokens")
     params = SamplingParams(
         max_tokens=int(tu.scalar(request, "max_tokens", 128)),
@@ -46,12 +60,14 @@ def read_params(request, max_stop_bytes: int = 4096) -> tuple[list[int], Samplin
         num_speculative_tokens=None if k is None else int(k),
         stop=tuple(tu.texts(request, "stop", max_bytes=max_stop_bytes)),
         ignore_eos=bool(tu.scalar(request, "ignore_eos", False)))
-    return [int(x) for x in ids], params, bool(tu.scalar(request, "stream", False))
+    return params, bool(tu.scalar(request, "stream", False))
 
 
 class SpecDecodeService:
-    def __init__(self, pb, engine: Engine, metrics: EngineMetrics | None = None):
+    def __init__(self, pb, engine: Engine, metrics: EngineMetrics | None = None,
+                 max_input_bytes: int = 65536):
         self.pb, self.engine, self.metrics = pb, engine, metrics
+        self.max_input_bytes = max_input_bytes
         self.open: dict[str, _Open] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -67,11 +83,12 @@ class SpecDecodeService:
         if self._thread.ident is None and not self._stopping:
             self._thread.start()
         try:
-            prompt, params, stream = read_params(request)
+            prompt, direct = read_prompt(request, self.engine.tokenizer, self.max_input_bytes)
+            params, stream = read_params(request)
             with self._wake:
                 self._ids += 1
                 rid = f"{request.request_id() or 'req'}#{self._ids}"
-                self.open[rid] = _Open(sender, stream, time.perf_counter())
+                self.open[rid] = _Open(sender, stream, direct, time.perf_counter())
                 try:
                     self.engine.add_request(prompt, params, rid)
                 except Exception:
@@ -140,10 +157,14 @@ class SpecDecodeService:
         new = entry.output_ids[entry.num_sent:] if entry.stream else entry.output_ids
         prev = detok_window(entry.output_ids, entry.num_sent) if entry.stream else []
         entry.num_sent = len(entry.output_ids)
+        text = ""
+        if entry.direct:
+            tok = self.engine.tokenizer
+            text = decode_delta(tok, prev, new, out.finished) if entry.stream else decode(tok, new)
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
         try:
-            entry.sender.send(self.pb.InferenceResponse(output_tensors=self._tensors(out, new, prev)),
-                              flags=flags)
+            tensors = self._tensors(out, new, prev) + [tu.text_tensor("text_output", text)]
+            entry.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=flags)
         except Exception:  # the client is gone; still close the stream once
             if out.finished:
                 self._send_final(entry.sender)

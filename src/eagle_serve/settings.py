@@ -27,6 +27,7 @@ class ServingSettings:
     max_model_len: int = 2048
     num_speculative_tokens: int = 0            # default k of a request
     max_speculative_tokens: int = 8
+    max_input_bytes: int = 65536               # text_input limit on the direct path
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "ServingSettings":

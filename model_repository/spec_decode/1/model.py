@@ -27,7 +27,7 @@ class TritonPythonModel:
         engine = Engine(target, drafter, settings.engine_config(eos_token_ids(target_dir)),
                         tokenizer=AutoTokenizer.from_pretrained(str(target_dir)), device=device)
         metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)
-        self.service = SpecDecodeService(pb_utils, engine, metrics)
+        self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes)
 
     def execute(self, requests):
         for request in requests:
