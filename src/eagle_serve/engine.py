@@ -171,9 +171,10 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({cfg.max_model_len})")
         need = total + k + 1
-        if not (self.target_pool.can_hold(need) and self.drafter_pool.can_hold(need)):
+        pools = [self.target_pool] + ([self.drafter_pool] if k else [])
+        if not all(pool.can_hold(need) for pool in pools):
             raise ValueError(f"the request needs {need} KV positions; the cache holds only "
-                             f"{min(self.target_pool.num_pages, self.drafter_pool.num_pages) * cfg.page_size}")
+                             f"{min(p.num_pages for p in pools) * cfg.page_size}")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         stop = StopChecker(self.tokenizer, params.stop) if params.stop else None
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"

@@ -1,0 +1,84 @@
+"""`python -m eagle_serve.train corpus|train|eval ...`: train an EAGLE head for a target.
+
+  corpus  self-distil the target on the offline instruction set (resumable shards)
+  train   train an EAGLE-3 head on the corpus (resumable checkpoints), save it in the
+          published layout
+  eval    measure acceptance of a head on held-out prompts with the real engine
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from eagle_serve import paths
+
+DEFAULT_CORPUS = paths.REPO_ROOT / "drafters" / "data" / "smollm2-selfdistill"
+HELDOUT = paths.REPO_ROOT / "clients" / "prompts" / "heldout.jsonl"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle_serve.train")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("corpus")
+    c.add_argument("--target", default="default")
+    c.add_argument("--out", type=Path, default=DEFAULT_CORPUS)
+    c.add_argument("--max-tokens", type=int, default=128)
+    c.add_argument("--batch", type=int, default=32)
+    c.add_argument("--limit", type=int, default=None, help="at most this many new prompts")
+    c.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("train")
+    t.add_argument("--target", default="default")
+    t.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    t.add_argument("--work", type=Path, default=paths.cache_dir() / "train-eagle3")
+    t.add_argument("--out", type=Path, default=paths.REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct")
+    t.add_argument("--steps", type=int, default=1500)
+    t.add_argument("--draft-vocab", type=int, default=4096)
+    t.add_argument("--unroll", type=int, default=3)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--tokens-per-batch", type=int, default=2048)
+    t.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("eval")
+    e.add_argument("--target", default="default")
+    e.add_argument("--head", type=Path, default=paths.REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct")
+    e.add_argument("--prompts", type=Path, default=HELDOUT)
+    e.add_argument("--k", type=int, default=4)
+    e.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+    if args.command == "corpus":
+        from eagle_serve.train.corpus import generate_corpus
+        from eagle_serve.train.prompts import build_prompts
+        prompts = build_prompts(args.seed, HELDOUT)
+        n = generate_corpus(args.out, paths.resolve_model_path(args.target), prompts,
+                            max_tokens=args.max_tokens, batch=args.batch, limit=args.limit)
+        print(f"corpus: {n} new answers in {args.out}")
+    elif args.command == "train":
+        train(args)
+    elif args.command == "eval":
+        from eagle_serve.train.evaluate import evaluate, heldout_prompts
+        report = evaluate(args.head, paths.resolve_model_path(args.target),
+                          heldout_prompts(args.prompts), k=args.k, max_tokens=args.max_tokens)
+        print(json.dumps(report, indent=2))
+
+
+def train(args) -> None:
+    from eagle_serve.train.corpus import read_corpus
+    from eagle_serve.train.trainer import TrainConfig, Trainer
+
+    rows = read_corpus(args.corpus)
+    cfg = TrainConfig(draft_vocab_size=args.draft_vocab, unroll=args.unroll, lr=args.lr,
+                      steps=args.steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed)
+    start = time.time()
+    trainer = Trainer(rows, paths.resolve_model_path(args.target), args.work, cfg)
+    trainer.train()
+    card = {"corpus_rows": len(rows), "answer_tokens": sum(len(r["output_ids"]) for r in rows),
+            "draft_vocab_coverage": round(trainer.coverage, 5), "config": asdict(cfg),
+            "wall_time_s_this_run": round(time.time() - start, 1)}
+    out = trainer.export(args.out, card)
+    print(f"saved {out}: {json.dumps(card)}")
+
+
+if __name__ == "__main__":
+    main()

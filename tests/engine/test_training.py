@@ -1,0 +1,61 @@
+"""Drafter training: the unrolled objective sees what drafting sees; a few steps learn."""
+from __future__ import annotations
+
+import torch
+
+from eagle_serve.checkpoints import load_drafter, random_head
+from eagle_serve.engine import SamplingParams
+from eagle_serve.kv_pages import PagePool
+from eagle_serve.llama import TargetModel
+from eagle_serve.local import build_local_engine
+from eagle_serve.train.trainer import TrainConfig, Trainer, _prefill_batch, unrolled_hidden
+
+
+@torch.inference_mode()
+def test_unrolled_training_steps_equal_drafting_steps_at_inference(tiny_target, prompts):
+    torch.manual_seed(0)
+    target = TargetModel(tiny_target, dtype=torch.float64, num_pages=32, page_size=4,
+                         feature_layers=(2, 2, 1))
+    head = random_head(target.config, 3, 4096, seed=3).double()
+    head.spec.__dict__["feature_layers"] = (2, 2, 1)
+    seq = prompts[1][:20]
+    _, feats = target.hidden_states(_prefill_batch([seq], PagePool(32, 4)))
+    embed = target.embed_tokens.weight.detach()
+    ids = torch.tensor([seq + [-1] * 4])
+    with torch.inference_mode():
+        train_steps = unrolled_hidden(head, embed, feats.unsqueeze(0), ids, steps=3)
+
+    from eagle_serve.drafter import Drafter
+    drafter = Drafter(head, embed, None, num_pages=32, page_size=4)
+    m = 12  # chain started at position m: catch up on (f_p, x_{p+1}) for p <= m
+    pool = PagePool(32, 4)
+    catch_up = _prefill_batch([seq[1:m + 2]], pool)
+    out = head.step(torch.nn.functional.embedding(catch_up.input_ids, embed), feats[:m + 1], True,
+                    catch_up, drafter.cache)
+    assert torch.allclose(out, train_steps[0][0, :m + 1], atol=1e-10)
+    hidden = out[-1:]
+    for j in (1, 2):  # feed back the true token x_{m+j+1} at position m+j, as drafting does
+        step = drafter._single_token_batch(catch_up, torch.tensor([0]), torch.tensor([seq[m + j + 1]]),
+                                           torch.tensor([m + j]))
+        hidden = head.step(torch.nn.functional.embedding(step.input_ids, embed), hidden, False, step,
+                           drafter.cache)
+        assert torch.allclose(hidden[0], train_steps[j][0, m], atol=1e-10)
+
+
+def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_target, prompts, hf_greedy):
+    rows = [{"prompt": str(i), "prompt_ids": p, "output_ids": hf_greedy(p, 24)} for i, p in enumerate(prompts)]
+    cfg = TrainConfig(draft_vocab_size=256, steps=40, tokens_per_batch=96, lr=3e-3, warmup=5, save_every=20)
+    trainer = Trainer(rows, tiny_target, tmp_path / "work", cfg)
+    assert trainer.coverage == 1.0  # 8 x 24 answer tokens fit in 256 draft ids
+    trainer.train()
+    first, last = sum(trainer.history[:5]) / 5, sum(trainer.history[-5:]) / 5
+    assert last < 0.8 * first
+    out = trainer.export(tmp_path / "head", {"smoke": True})
+    drafter = load_drafter(out, tiny_target)
+    assert drafter.head.version == 3 and drafter.head.spec.draft_vocab_size == 256
+    resumed = Trainer(rows, tiny_target, tmp_path / "work", cfg)  # checkpoint picked up
+    assert resumed.step == 40
+    engine = build_local_engine(tiny_target, out, dtype="float64", eos_token_ids=())
+    results = engine.generate(prompts[:2], SamplingParams(max_tokens=24, num_speculative_tokens=3))
+    assert [r.token_ids for r in results] == [hf_greedy(p, 24) for p in prompts[:2]]
+    assert engine.stats.accepted_tokens > 0  # it learned something its target says
