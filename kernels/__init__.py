@@ -1,0 +1,20 @@
+"""Triton-language kernels for the speculative-decoding hot paths, each beside its PyTorch
+reference (the reference is the specification; the kernel must agree with it).
+
+Every public function takes `impl`: None runs the kernel on CUDA tensors and the reference on
+CPU tensors; "triton" forces the kernel (on CPU this needs TRITON_INTERPRET=1 set before triton
+is imported, as tests/conftest.py does); "ref" forces the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+IMPLS = ("triton", "ref")
+
+
+def use_kernel(impl: str | None, tensor: torch.Tensor) -> bool:
+    """Whether a call with this `impl` on data living where `tensor` lives runs the kernel."""
+    if impl is None:
+        return tensor.is_cuda
+    assert impl in IMPLS, f"impl must be one of {IMPLS} or None, not {impl!r}"
+    return impl == "triton"

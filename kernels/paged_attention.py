@@ -5,11 +5,24 @@ kv_heads, head_dim]. A request's block table lists its pages in order; token pos
 in slot block_table[t // page_size] * page_size + t % page_size. Slot -1 means "do not write"
 (padding). Queries of request b are its last n_b positions (seq_len_b - n_b .. seq_len_b - 1),
 causal among themselves: one query for decode, k + 1 for verification, the prompt for prefill.
+
+Draft trees: with tree_mask [B, Qt, Qt] bool (Qt >= every n_b), query i of request b sees its
+new token j (key position seq_len_b - n_b + j) only where tree_mask[b, i, j] is True (set it
+for i's ancestors and i itself); the context before the new tokens stays visible, and the mask
+refines the causal one (entries j > i are ignored). A lower-triangular mask is the default.
+
+The kernel is flash-attention over the pages: one program per (request, block of queries,
+kv head) holds the queries of every q head that shares the kv head (GQA) as rows, and walks
+the keys a block at a time, finding each key's slot through the block table (any page size).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import use_kernel
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -30,11 +43,13 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        seq_lens: torch.Tensor, scale: float,
+                        tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's queries over its cached context (GQA).
 
     q: [T, q_heads, D]; k_cache, v_cache: [num_pages, page_size, kv_heads, D];
-    block_tables: [B, P] int64 (-1 padded); cu_seqlens_q: [B+1]; seq_lens: [B] -> [T, q_heads, D]
+    block_tables: [B, P] int64 (-1 padded); cu_seqlens_q: [B+1]; seq_lens: [B];
+    tree_mask: None or [B, Qt, Qt] bool (see the module docstring) -> [T, q_heads, D]
     """
     num_req = block_tables.shape[0]
     page_size, kv_heads, head_dim = k_cache.shape[1:]
@@ -55,16 +70,183 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # Valid rows have q_pos < seq_len, so this also hides keys past the context; padded rows
     # see at least key 0 (no NaN) and are dropped below.
     mask = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)  # [B, Q, C]
+    if tree_mask is not None:
+        tree = _tree_visible(tree_mask, n_q, seq_lens, max_q, max_ctx)  # [B, Q, C]
+        mask = mask & (tree | ~q_valid.unsqueeze(2))
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
         attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)  # [B, Hq, Q, D]
     return out.transpose(1, 2)[q_valid]  # [T, Hq, D]
 
 
+def _tree_visible(tree_mask: torch.Tensor, n_q: torch.Tensor, seq_lens: torch.Tensor,
+                  max_q: int, max_ctx: int) -> torch.Tensor:
+    """-> [B, Q, C] bool: key c is context, or a new token the tree lets query i see."""
+    num_req, width = tree_mask.shape[0], tree_mask.shape[2]
+    assert tree_mask.shape == (num_req, width, width) and width >= max_q
+    new = torch.arange(max_ctx, device=n_q.device) - (seq_lens - n_q).unsqueeze(1)  # [B, C]
+    cols = new.clamp(0, width - 1).unsqueeze(1).expand(num_req, max_q, max_ctx)
+    allowed = tree_mask[:, :max_q].to(torch.bool).gather(2, cols)  # [B, Q, C]
+    return allowed | (new < 0).unsqueeze(1)
+
+
 def write_kv(k, v, k_cache, v_cache, slot_mapping, impl: str | None = None):
+    """Dispatch on k_cache's device (impl as in kernels/__init__.py)."""
+    if use_kernel(impl, k_cache):
+        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                    impl: str | None = None):
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+                    impl: str | None = None, tree_mask=None):
+    """Dispatch on q's device (impl as in kernels/__init__.py)."""
+    if use_kernel(impl, q):
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                      scale, tree_mask)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                               tree_mask)
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """As write_kv_ref. Caches must be contiguous (a slot is one row of [P * page, Hkv * D])."""
+    assert k.shape == v.shape and k.ndim == 3 and k.shape[0] == slot_mapping.shape[0]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slot_mapping.ndim == 1 and not slot_mapping.is_floating_point()
+    tokens, width = k.shape[0], k.shape[1] * k.shape[2]
+    if tokens == 0:
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    block_w = min(triton.next_power_of_2(width), 1024)
+    block_t = min(triton.next_power_of_2(tokens), max(1, 4096 // block_w))
+    _write_kv_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_w))](
+        k.reshape(tokens, width), v.reshape(tokens, width), k_cache, v_cache,
+        slot_mapping.to(k_cache.device, torch.int64).contiguous(), tokens, width, num_slots,
+        BLOCK_T=block_t, BLOCK_W=block_w)
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """As paged_attention_ref."""
+    assert q.ndim == 3 and k_cache.ndim == 4 and k_cache.shape == v_cache.shape
+    tokens, q_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    assert k_cache.shape[3] == head_dim and q_heads % kv_heads == 0
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_tables.ndim == 2 and cu_seqlens_q.shape == (block_tables.shape[0] + 1,)
+    assert seq_lens.shape == block_tables.shape[:1]
+    num_req, group, device = block_tables.shape[0], q_heads // kv_heads, q.device
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.to(device, torch.int64).contiguous()
+    lens = seq_lens.to(device, torch.int64).contiguous()
+    max_q = int((cu[1:] - cu[:-1]).max()) if num_req else 0
+    if tokens == 0 or max_q == 0:
+        return out
+    if tree_mask is not None:
+        assert tree_mask.ndim == 3 and tree_mask.shape[0] == num_req
+        assert tree_mask.shape[1] == tree_mask.shape[2] >= max_q
+        tree_mask = tree_mask.to(device, torch.int8).contiguous()
+    block_m = max(16, min(64, triton.next_power_of_2(group * max_q)), triton.next_power_of_2(group))
+    block_q = block_m // group
+    tables = block_tables.to(device, torch.int64).contiguous()
+    tree = tree_mask if tree_mask is not None else tables  # any tensor; unused without a tree
+    _paged_attention_kernel[(num_req, triton.cdiv(max_q, block_q), kv_heads)](
+        q, k_cache, v_cache, tables, cu, lens, tree, out, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        tree.stride(0), tree.stride(1),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, W, S,
+                     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    # k, v: [T, W] (W = kv_heads * head_dim); caches: [S, W] (S = num_pages * page_size);
+    # slots: [T] int64 (-1 = skip). Grid: (cdiv(T, BLOCK_T), cdiv(W, BLOCK_W))
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    w = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W))[None, :]
+    slot = tl.load(slots_ptr + t, mask=t < T, other=-1)
+    mask = ((t < T) & (slot >= 0) & (slot < S))[:, None] & (w < W)
+    src = t.to(tl.int64)[:, None] * W + w
+    dst = slot[:, None] * W + w
+    k = tl.load(k_ptr + src, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + src, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_q_ptr, seq_lens_ptr, tree_ptr, out_ptr,
+        scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tree_b,
+        stride_tree_i, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr):
+    # q, out: [T, Hq, D]; caches: [P, PAGE_SIZE, Hkv, D]; tables: [B, Pmax]; cu_q: [B+1];
+    # seq_lens: [B]; tree: [B, Qt, Qt] int8 (HAS_TREE). Grid: (B, cdiv(max_q, BLOCK_Q), Hkv)
+    # Row m of the tile is query BLOCK_Q * pid(1) + m // GROUP of q head Hkv-group member m % GROUP.
+    req = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + req)
+    n_q = tl.load(cu_q_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    new_start = seq_len - n_q  # key position of the first new token
+
+    m = tl.arange(0, BLOCK_M)
+    qi = q_block * BLOCK_Q + m // GROUP  # [BLOCK_M] query index within the request
+    row_ok = (m < BLOCK_Q * GROUP) & (qi < n_q)
+    head = kv_head * GROUP + m % GROUP
+    d = tl.arange(0, BLOCK_D)
+    q_rows = (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_rows + d[None, :], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0)
+    q_pos = new_start + qi
+    # Keys past the block's last query are never visible; an empty block walks none.
+    kv_end = tl.minimum(seq_len, new_start + tl.minimum(n_q, (q_block + 1) * BLOCK_Q))
+    kv_end = tl.where(q_block * BLOCK_Q < n_q, kv_end, 0)
+
+    row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay NaN-free
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        t_ok = t < kv_end
+        page = tl.load(tables_ptr + req * stride_table + t // PAGE_SIZE, mask=t_ok, other=0)
+        kd_ok = t_ok[None, :] & (d < HEAD_DIM)[:, None]
+        k_off = page * stride_kp + (t % PAGE_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+        k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=kd_ok, other=0.0)  # [D, N]
+        scores = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale  # [M, N]
+        visible = row_ok[:, None] & t_ok[None, :] & (t[None, :] <= q_pos[:, None])
+        if HAS_TREE:
+            j = t - new_start  # index among the new tokens, < 0 for context
+            tree_row = tree_ptr + req * stride_tree_b + qi[:, None] * stride_tree_i
+            tree = tl.load(tree_row + j[None, :], mask=visible & (j >= 0)[None, :], other=0)
+            visible = visible & ((j < 0)[None, :] | (tree != 0))
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        alpha = tl.exp(row_max - new_max)
+        p = tl.exp(scores - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v_off = page * stride_vp + (t % PAGE_SIZE) * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                    mask=t_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        row_max = new_max
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    o_rows = (q_start + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptr + o_rows + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])

@@ -10,12 +10,24 @@ Each request therefore emits accepted + 1 tokens (1 .. k_b + 1).
 
 Both rules keep the output exactly the target's: greedy output equals plain greedy decoding,
 and sampled output follows the target distribution (Leviathan et al. 2023, Chen et al. 2023).
+
+Kernels: recovered and bonus tokens are raced for every target row at once (one exponential
+race over the residual, falling back to p where the residual is empty; bonus rows have no
+draft, so their residual is p itself), then one pass per tile of requests walks the drafts and
+picks the accepted prefix. Random acceptance draws Philox noise keyed by the same keys as the
+reference (see kernels/sampling.py), so it agrees with the reference in distribution, and
+exactly wherever the outcome is forced (p/q of 0 or >= 1, one-hot residuals). Greedy
+acceptance is exact.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from kernels.sampling import ACCEPT, RESIDUAL, SAMPLE, keyed_uniform
+from kernels import use_kernel
+from kernels.sampling import (ACCEPT, RESIDUAL, SAMPLE, _race_block, _uniform, key_seed,
+                              keyed_uniform)
 
 
 def greedy_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
@@ -93,9 +105,177 @@ def _race(p: torch.Tensor, seed: int, position: int, purpose: int) -> int:
 
 
 def greedy_accept(draft_ids, cu_num_drafts, target_argmax, impl: str | None = None):
+    """Dispatch on target_argmax's device (impl as in kernels/__init__.py)."""
+    if use_kernel(impl, target_argmax):
+        return greedy_accept_triton(draft_ids, cu_num_drafts, target_argmax)
     return greedy_accept_ref(draft_ids, cu_num_drafts, target_argmax)
 
 
 def random_accept(draft_ids, cu_num_drafts, target_probs, draft_probs, seeds, positions,
                   impl: str | None = None):
+    """Dispatch on target_probs's device (impl as in kernels/__init__.py)."""
+    if use_kernel(impl, target_probs):
+        return random_accept_triton(draft_ids, cu_num_drafts, target_probs, draft_probs, seeds,
+                                    positions)
     return random_accept_ref(draft_ids, cu_num_drafts, target_probs, draft_probs, seeds, positions)
+
+
+def _ragged_args(draft_ids, cu_num_drafts, device):
+    """-> draft_ids [N] int64, cu [B+1] int64 on `device`, cu as a list, max_k."""
+    assert draft_ids.ndim == 1 and cu_num_drafts.ndim == 1 and cu_num_drafts.shape[0] >= 1
+    assert not draft_ids.is_floating_point() and not cu_num_drafts.is_floating_point()
+    cu = cu_num_drafts.tolist()
+    assert cu[0] == 0 and cu[-1] == draft_ids.shape[0], "cu_num_drafts: [B+1] from 0 to N"
+    max_k = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    return (draft_ids.to(device, torch.int64).contiguous(),
+            cu_num_drafts.to(device, torch.int64).contiguous(), cu, max_k)
+
+
+def greedy_accept_triton(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
+                         target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As greedy_accept_ref, on target_argmax's device."""
+    assert target_argmax.ndim == 1 and not target_argmax.is_floating_point()
+    assert target_argmax.shape[0] == draft_ids.shape[0] + cu_num_drafts.shape[0] - 1
+    device = target_argmax.device
+    drafts, cu_dev, cu, max_k = _ragged_args(draft_ids, cu_num_drafts, device)
+    num_req = len(cu) - 1
+    out = torch.full((num_req, max_k + 1), -1, dtype=torch.int64, device=device)
+    num = torch.zeros(num_req, dtype=torch.int64, device=device)
+    if num_req:
+        block_b = min(triton.next_power_of_2(num_req), 128)
+        _greedy_accept_kernel[(triton.cdiv(num_req, block_b),)](
+            drafts, cu_dev, target_argmax.to(torch.int64).contiguous(), out, num, num_req, max_k,
+            out.stride(0), BLOCK_B=block_b)
+    return out, num
+
+
+def random_accept_triton(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
+                         target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                         seeds: list[int], positions: list[int],
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As random_accept_ref (in distribution), on target_probs's device."""
+    assert target_probs.ndim == 2
+    assert target_probs.shape[0] == draft_ids.shape[0] + cu_num_drafts.shape[0] - 1
+    assert draft_probs.shape == (draft_ids.shape[0], target_probs.shape[1])
+    assert len(seeds) == len(positions) == cu_num_drafts.shape[0] - 1
+    target_probs = target_probs if target_probs.stride(1) == 1 else target_probs.contiguous()
+    device, vocab = target_probs.device, target_probs.shape[1]
+    drafts, cu_dev, cu, max_k = _ragged_args(draft_ids, cu_num_drafts, device)
+    num_req = len(cu) - 1
+    out = torch.full((num_req, max_k + 1), -1, dtype=torch.int64, device=device)
+    num = torch.zeros(num_req, dtype=torch.int64, device=device)
+    if num_req == 0:
+        return out, num
+    draft_probs = draft_probs.to(device).contiguous()
+    # Per target row: the draft row it is compared with (-1: bonus) and the key of its race.
+    q_row, race_keys, accept_keys = [], [], []
+    for b in range(num_req):
+        k, seed, pos = cu[b + 1] - cu[b], seeds[b], positions[b]
+        q_row += list(range(cu[b], cu[b + 1])) + [-1]
+        race_keys += [key_seed(seed, pos + j, RESIDUAL) for j in range(k)]
+        race_keys.append(key_seed(seed, pos + k, SAMPLE))
+        accept_keys += [key_seed(seed, pos + j, ACCEPT) for j in range(k)]
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    rows = target_probs.shape[0]
+    recovered = torch.empty(rows, dtype=torch.int64, device=device)
+    block_v = min(triton.next_power_of_2(vocab), 1024)
+    block_r = min(triton.next_power_of_2(rows), max(1, 4096 // block_v))
+    _recover_kernel[(triton.cdiv(rows, block_r),)](
+        target_probs, draft_probs, as_tensor(q_row), as_tensor(race_keys), recovered, rows, vocab,
+        target_probs.stride(0), draft_probs.stride(0), BLOCK_R=block_r, BLOCK_V=block_v)
+    block_b = min(triton.next_power_of_2(num_req), 128)
+    _random_accept_kernel[(triton.cdiv(num_req, block_b),)](
+        drafts, cu_dev, target_probs, draft_probs, as_tensor(accept_keys), recovered, out, num,
+        num_req, max_k, vocab, target_probs.stride(0), draft_probs.stride(0), out.stride(0),
+        BLOCK_B=block_b)
+    return out, num
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _greedy_accept_kernel(drafts_ptr, cu_ptr, argmax_ptr, out_ptr, num_ptr, B, max_k, stride_out,
+                          BLOCK_B: tl.constexpr):
+    # drafts: [N]; cu: [B+1]; argmax: [N+B]; out: [B, max_k+1] (-1 filled); num: [B].
+    # Grid: (cdiv(B, BLOCK_B),); one lane per request, walking its drafts.
+    reqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    req_ok = reqs < B
+    start = tl.load(cu_ptr + reqs, mask=req_ok, other=0)
+    k = tl.load(cu_ptr + reqs + 1, mask=req_ok, other=0) - start
+    row0 = start + reqs  # this request's first target row
+    out_row = out_ptr + reqs.to(tl.int64) * stride_out
+    live = req_ok  # no draft rejected yet
+    for j in range(0, max_k):
+        active = live & (j < k)
+        target = tl.load(argmax_ptr + row0 + j, mask=active, other=-1)
+        draft = tl.load(drafts_ptr + start + j, mask=active, other=-1)
+        tl.store(out_row + j, target, mask=active)
+        rejected = active & (draft != target)
+        tl.store(num_ptr + reqs, j + 1 + tl.zeros_like(reqs), mask=rejected)
+        live = live & ~rejected
+    bonus = tl.load(argmax_ptr + row0 + k, mask=live, other=-1)
+    tl.store(out_row + k, bonus, mask=live)
+    tl.store(num_ptr + reqs, k + 1, mask=live)
+
+
+@triton.jit
+def _recover_kernel(p_ptr, q_ptr, q_row_ptr, keys_ptr, out_ptr, R, V, stride_p, stride_q,
+                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    # p: [R, V] target; q: [N, V] draft; q_row: [R] (-1 = bonus row, no draft); keys: [R] int64;
+    # out: [R] int64. Grid: (cdiv(R, BLOCK_R),)
+    # Per row: race over max(p - q, 0); if that is all zero, the same race over p.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    key = tl.load(keys_ptr + rows, mask=row_ok, other=0)[:, None]
+    q_row = tl.load(q_row_ptr + rows, mask=row_ok, other=-1)
+    has_q = (row_ok & (q_row >= 0))[:, None]
+    p_base = p_ptr + rows.to(tl.int64)[:, None] * stride_p
+    q_base = q_ptr + tl.maximum(q_row, 0).to(tl.int64)[:, None] * stride_q
+    best_r = tl.full([BLOCK_R], -2.0, tl.float32)
+    idx_r = tl.zeros([BLOCK_R], tl.int64)
+    best_p = tl.full([BLOCK_R], -2.0, tl.float32)
+    idx_p = tl.zeros([BLOCK_R], tl.int64)
+    for start in range(0, V, BLOCK_V):
+        cols = (start + tl.arange(0, BLOCK_V))[None, :]
+        mask = row_ok[:, None] & (cols < V)
+        p = tl.load(p_base + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_base + cols, mask=mask & has_q, other=0.0).to(tl.float32)
+        best_r, idx_r = _race_block(tl.maximum(p - q, 0.0), key, cols, start, mask, best_r, idx_r)
+        best_p, idx_p = _race_block(p, key, cols, start, mask, best_p, idx_p)
+    tl.store(out_ptr + rows, tl.where(best_r > 0, idx_r, idx_p), mask=row_ok)
+
+
+@triton.jit
+def _random_accept_kernel(drafts_ptr, cu_ptr, p_ptr, q_ptr, keys_ptr, recovered_ptr, out_ptr,
+                          num_ptr, B, max_k, V, stride_p, stride_q, stride_out,
+                          BLOCK_B: tl.constexpr):
+    # drafts: [N]; cu: [B+1]; p: [N+B, V]; q: [N, V]; keys: [N] int64 (ACCEPT key per draft);
+    # recovered: [N+B] (from _recover_kernel); out: [B, max_k+1] (-1 filled); num: [B].
+    # Grid: (cdiv(B, BLOCK_B),); one lane per request.
+    reqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    req_ok = reqs < B
+    start = tl.load(cu_ptr + reqs, mask=req_ok, other=0)
+    k = tl.load(cu_ptr + reqs + 1, mask=req_ok, other=0) - start
+    row0 = start + reqs
+    out_row = out_ptr + reqs.to(tl.int64) * stride_out
+    live = req_ok
+    for j in range(0, max_k):
+        active = live & (j < k)
+        draft = tl.load(drafts_ptr + start + j, mask=active, other=0)
+        col = tl.minimum(tl.maximum(draft, 0), V - 1)  # in bounds whatever the draft id
+        p_x = tl.load(p_ptr + (row0 + j).to(tl.int64) * stride_p + col, mask=active,
+                      other=0.0).to(tl.float32)
+        q_x = tl.load(q_ptr + (start + j).to(tl.int64) * stride_q + col, mask=active,
+                      other=0.0).to(tl.float32)
+        key = tl.load(keys_ptr + start + j, mask=active, other=0)
+        u = _uniform(key, tl.zeros([BLOCK_B], tl.int32))
+        accept = (q_x > 0) & (u * q_x <= p_x)  # u < p/q without dividing
+        recovered = tl.load(recovered_ptr + row0 + j, mask=active, other=-1)
+        tl.store(out_row + j, tl.where(accept, draft, recovered), mask=active)
+        rejected = active & ~accept
+        tl.store(num_ptr + reqs, j + 1 + tl.zeros_like(reqs), mask=rejected)
+        live = live & ~rejected
+    bonus = tl.load(recovered_ptr + row0 + k, mask=live, other=-1)
+    tl.store(out_row + k, bonus, mask=live)
+    tl.store(num_ptr + reqs, k + 1, mask=live)

@@ -1,0 +1,125 @@
+"""Paged KV write and paged attention: the kernels against the references (exact writes,
+attention within float32 tolerance), at page sizes that do not divide the lengths, GQA with a
+group of 3, a head size of 40, decode / verify / prefill / empty requests and draft trees."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels.paged_attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 40
+
+
+def make_batch(n_q: list[int], seq_lens: list[int], page_size: int, seed: int = 0):
+    """Random caches and queries; pages handed out shuffled, block tables -1 padded."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages) + 3
+    k_cache = torch.randn(num_pages, page_size, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, KV_HEADS, HEAD_DIM, generator=gen)
+    order = torch.randperm(num_pages, generator=gen)
+    tables = torch.full((len(n_q), max(pages) + 2), -1, dtype=torch.int64)
+    for b, (first, count) in enumerate(zip(itertools.accumulate([0] + pages), pages)):
+        tables[b, :count] = order[first:first + count]
+    cu = torch.tensor([0] + list(itertools.accumulate(n_q)))
+    q = torch.randn(int(cu[-1]), Q_HEADS, HEAD_DIM, generator=gen)
+    return q, k_cache, v_cache, tables, cu, torch.tensor(seq_lens)
+
+
+BATCHES = {
+    "decode, one request": ([1], [37]),
+    "decode, seven requests": ([1] * 7, [37, 1, 5, 16, 17, 64, 3]),
+    "verify k+1 = 4": ([4, 4, 4], [23, 4, 41]),
+    "mixed, with a prefill and an empty request":
+        ([1, 4, 0, 7, 1, 3, 70], [37, 12, 9, 7, 1, 20, 70]),
+}
+
+
+@pytest.mark.parametrize("page_size", [5, 16])
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_attention_kernel_matches_the_reference(name, page_size):
+    batch = make_batch(*BATCHES[name], page_size)
+    scale = HEAD_DIM ** -0.5
+    kernel = paged_attention(*batch, scale, impl="triton")
+    torch.testing.assert_close(kernel, paged_attention_ref(*batch, scale), atol=2e-5, rtol=2e-5)
+
+
+def tree_masks(n_q: list[int]) -> torch.Tensor:
+    """[B, 8, 8]: a draft tree per request: token 0 the root, 1 and 2 its children, 3 a child
+    of 1, 4 of 2, 5 of 3, 6 of 4 (ancestors and self visible)."""
+    parent = [-1, 0, 0, 1, 2, 3, 4, 5]
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    for i in range(8):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    return mask.expand(len(n_q), 8, 8).clone()
+
+
+def test_tree_masked_attention_kernel_matches_the_reference():
+    n_q, seq_lens = [7, 1, 5, 0, 3], [30, 9, 5, 4, 13]
+    batch = make_batch(n_q, seq_lens, page_size=5, seed=1)
+    tree = tree_masks(n_q)
+    kernel = paged_attention(*batch, 0.2, impl="triton", tree_mask=tree)
+    torch.testing.assert_close(kernel, paged_attention_ref(*batch, 0.2, tree_mask=tree),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_a_tree_query_sees_only_the_context_and_its_ancestors():
+    """Query 4 (path 0 -> 2 -> 4) of a request equals plain attention over the context plus
+    new tokens 0, 2 and 4, computed by hand."""
+    n_q, seq_lens, page_size = [7], [19], 4
+    q, k_cache, v_cache, tables, cu, lens = make_batch(n_q, seq_lens, page_size, seed=2)
+    out = paged_attention(q, k_cache, v_cache, tables, cu, lens, 0.3, impl="triton",
+                          tree_mask=tree_masks(n_q))
+    seen = list(range(12)) + [12 + 0, 12 + 2, 12 + 4]
+    slots = [int(tables[0, t // page_size]) * page_size + t % page_size for t in seen]
+    keys = k_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots].repeat_interleave(3, dim=1)  # [S, Hq, D]
+    values = v_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots].repeat_interleave(3, dim=1)
+    weights = torch.softmax(torch.einsum("hd,shd->hs", q[4], keys) * 0.3, dim=1)
+    torch.testing.assert_close(out[4], torch.einsum("hs,shd->hd", weights, values),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_a_lower_triangular_tree_is_the_default_causal_mask():
+    n_q = [4, 1, 6]
+    batch = make_batch(n_q, [10, 3, 6], page_size=5, seed=3)
+    chain = torch.tril(torch.ones(3, 6, 6, dtype=torch.bool))
+    plain = paged_attention_ref(*batch, 0.25)
+    assert torch.equal(paged_attention_ref(*batch, 0.25, tree_mask=chain), plain)
+    torch.testing.assert_close(paged_attention(*batch, 0.25, impl="triton", tree_mask=chain), plain,
+                               atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("page_size", [5, 16])
+def test_kv_write_kernel_fills_the_same_slots_and_skips_padding(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    k_cache = torch.randn(6, page_size, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(6, page_size, KV_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(9, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(9, KV_HEADS, HEAD_DIM, generator=gen)
+    last = 6 * page_size - 1
+    slots = torch.tensor([3, -1, 17, last, -1, 0, page_size, page_size + 1, 2 * page_size - 1])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv(k, v, k_cache, v_cache, slots, impl="triton")
+    write_kv_ref(k, v, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_kv_write_then_attention_uses_what_was_written():
+    """Write a request's new tokens through the kernel, then decode over them."""
+    page_size, n_new = 5, 7
+    q, k_cache, v_cache, tables, cu, lens = make_batch([1], [n_new], page_size, seed=4)
+    k = torch.randn(n_new, KV_HEADS, HEAD_DIM)
+    v = torch.randn(n_new, KV_HEADS, HEAD_DIM)
+    slots = torch.tensor([int(tables[0, t // page_size]) * page_size + t % page_size
+                          for t in range(n_new)])
+    write_kv(k, v, k_cache, v_cache, slots, impl="triton")
+    out = paged_attention(q, k_cache, v_cache, tables, cu, lens, 0.5, impl="triton")
+    weights = torch.softmax(torch.einsum("hd,shd->hs", q[0], k.repeat_interleave(3, 1)) * 0.5, 1)
+    expected = torch.einsum("hs,shd->hd", weights, v.repeat_interleave(3, 1))
+    torch.testing.assert_close(out[0], expected, atol=2e-5, rtol=2e-5)
