@@ -353,8 +353,9 @@ class Engine:
 
     def _flat_drafts(self, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
         lens = [len(r.drafts) for r in reqs]
-        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int64)
-        return torch.tensor([d for r in reqs for d in r.drafts], dtype=torch.int64), cu
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int64, device=self.device)
+        drafts = torch.tensor([d for r in reqs for d in r.drafts], dtype=torch.int64, device=self.device)
+        return drafts, cu
 
     def _advance(self, hidden: torch.Tensor, plan, emitted) -> list[tuple]:
         """Append accepted tokens, roll back KV, update stats. -> drafter work per request:

@@ -20,6 +20,7 @@ class EngineMetrics:
             "accepted": ("eagle_spec_decode_accepted_tokens_total", "Draft tokens accepted"),
             "rounds": ("eagle_spec_decode_rounds_total", "Verify rounds, counted per request"),
             "steps": ("eagle_engine_steps_total", "Batched engine rounds (target forwards)"),
+            "preemptions": ("eagle_preemptions_total", "Requests preempted for KV pages (recomputed later)"),
         }
         self.counters = {k: family(n, d, fam.COUNTER).Metric(labels={}) for k, (n, d) in counters.items()}
         per_pos = family("eagle_spec_decode_accepted_tokens_per_position_total",
@@ -39,13 +40,13 @@ class EngineMetrics:
                       fam.HISTOGRAM)
         self.ttft = ttft.Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.tpot = tpot.Metric(labels={}, buckets=LATENCY_BUCKETS)
-        self._seen = {"draft": 0, "accepted": 0, "rounds": 0, "steps": 0}
+        self._seen = dict.fromkeys(self.counters, 0)
         self._seen_positions = [0] * max_positions
 
     def update(self, engine: Engine) -> None:
         s = engine.stats
         totals = {"draft": s.draft_tokens, "accepted": s.accepted_tokens, "rounds": s.rounds,
-                  "steps": s.steps}
+                  "steps": s.steps, "preemptions": s.preemptions}
         for key, total in totals.items():
             if total > self._seen[key]:
                 self.counters[key].increment(total - self._seen[key])

@@ -59,14 +59,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-repository", default=str(paths.REPO_ROOT / "model_repository"))
     parser.add_argument("--model-config-name", default=os.environ.get("MODEL_CONFIG_NAME"),
                         help="e.g. `gpu` to serve with configs/gpu.pbtxt")
+    parser.add_argument("--no-supervise", action="store_true",
+                        help="exec tritonserver directly (no restart when a model process dies)")
     args, extra = parser.parse_known_args(argv)
-    cmd = server_command(Path(args.model_repository),
-                         int(os.environ.get("HTTP_PORT", 8000)),
+    http_port = int(os.environ.get("HTTP_PORT", 8000))
+    cmd = server_command(Path(args.model_repository), http_port,
                          int(os.environ.get("GRPC_PORT", 8001)),
                          int(os.environ.get("METRICS_PORT", 8002)),
-                         extra, args.model_config_name)
+                         ["--exit-timeout-secs=10", *extra], args.model_config_name)
     print(" ".join(cmd), flush=True)
-    os.execve(cmd[0], cmd, server_environment())  # signals go straight to tritonserver
+    if args.no_supervise:
+        os.execve(cmd[0], cmd, server_environment())  # signals go straight to tritonserver
+    from eagle_serve.supervisor import supervise
+    sys.exit(supervise(cmd, server_environment(), Path(args.model_repository), http_port))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""Keep tritonserver serving: restart it when a model's Python process dies.
+
+Triton 2.51 does not restart a dead Python-backend stub (measured: after `eagle_target`'s stub
+was killed, every request failed with "Stub process ... is not healthy" while
+/v2/health/ready stayed 200). The supervisor runs tritonserver as a child, watches that every
+Python model of the repository has a live stub process, and on a death logs it, stops the
+server (open streams get an error and FINAL from spec_decode's shutdown) and starts it again.
+SIGTERM / SIGINT are passed on to the server, and the supervisor exits with it.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+POLL_S = 1.0
+STOP_TIMEOUT_S = 20.0
+
+
+def log(message: str) -> None:
+    print(f"[supervisor {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def python_models(repo: Path) -> list[str]:
+    return sorted(p.parent.parent.name for p in Path(repo).glob("*/1/model.py"))
+
+
+def missing_stubs(server: psutil.Process, repo: Path, models: list[str]) -> list[str]:
+    """Models without a live stub process among the server's children."""
+    alive = set()
+    for child in server.children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        for m in models:
+            if f"{repo}/{m}/1/model.py" in cmd:
+                alive.add(m)
+    return [m for m in models if m not in alive]
+
+
+def ready(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://localhost:{http_port}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
+              max_fast_failures: int = 3) -> int:
+    repo = Path(repo).resolve()
+    models = python_models(repo)
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    fast_failures = 0
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen(cmd, env=env)
+        died = _watch(child, repo, models, http_port, lambda: stopping)
+        if died:
+            log(f"model process(es) {died} died; restarting tritonserver")
+            child.send_signal(signal.SIGTERM)
+        try:
+            code = child.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            code = child.wait()
+        if stopping:
+            return code
+        fast_failures = fast_failures + 1 if time.monotonic() - started < 60 and not died else 0
+        if fast_failures >= max_fast_failures:
+            log(f"tritonserver exited {fast_failures} times within a minute of starting; giving up")
+            return code or 1
+        log(f"tritonserver exited with code {code}; restarting")
+
+
+def _watch(child: subprocess.Popen, repo: Path, models: list[str], http_port: int, stopping) -> list[str]:
+    """Until the child exits or a stub dies (after the server was ready) -> the dead models."""
+    server = psutil.Process(child.pid)
+    was_ready = False
+    while child.poll() is None and not stopping():
+        time.sleep(POLL_S)
+        was_ready = was_ready or ready(http_port)
+        if was_ready:
+            dead = missing_stubs(server, repo, models)
+            if dead:
+                time.sleep(POLL_S)  # confirm: not a stub in the middle of starting
+                dead = missing_stubs(server, repo, models)
+                if dead:
+                    return dead
+    return []

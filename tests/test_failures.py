@@ -1,0 +1,98 @@
+"""Model-process death and shutdown, through the supervised server `make serve` runs."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from eagle_serve import paths
+from eagle_serve.client import grpc_generate, http_generate
+from eagle_serve.repo_config import copy_repository
+from eagle_serve.serve import server_environment
+from server import free_ports
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture
+def supervised(tmp_path, tiny_models):
+    """`python -m eagle_serve.serve` (what `make serve` runs) on the tiny float64 model."""
+    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", None, {"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+        "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
+        "num_target_pages": "256", "num_drafter_pages": "256"}})
+    http, grpc, metrics_port = free_ports(3)
+    env = server_environment() | {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics_port)}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.http, proc.grpc, proc.log_path = f"localhost:{http}", f"localhost:{grpc}", tmp_path / "serve.log"
+    assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
+    yield proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log.close()
+
+
+def wait_until(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except OSError:
+            pass
+        time.sleep(every_s)
+    return False
+
+
+def stub_of(supervisor: subprocess.Popen, model: str) -> psutil.Process:
+    for proc in psutil.Process(supervisor.pid).children(recursive=True):
+        if f"/{model}/1/model.py" in " ".join(proc.cmdline()):
+            return proc
+    raise AssertionError(f"no stub for {model}")
+
+
+def long_stream(proc, out: dict) -> threading.Thread:
+    def run():
+        out["result"] = grpc_generate(proc.grpc, "Tell me a long story.", model="spec_decode",
+                                      max_tokens=1500, ignore_eos=True, stream=True, timeout_s=120)
+        out["at"] = time.monotonic()
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(3)
+    return thread
+
+
+@pytest.mark.parametrize("model", ["eagle_target", "eagle_drafter"])
+def test_a_dead_model_process_fails_requests_fast_and_the_server_comes_back(supervised, model):
+    out: dict = {}
+    thread = long_stream(supervised, out)
+    killed_at = time.monotonic()
+    stub_of(supervised, model).kill()
+    thread.join(60)
+    assert out["at"] - killed_at < 10
+    assert out["result"].error is not None and "not healthy" in out["result"].error
+    recovered = wait_until(lambda: http_generate(supervised.http, "Hi", max_tokens=4, timeout_s=10).error is None, 180)
+    recovery_s = time.monotonic() - killed_at
+    assert recovered, supervised.log_path.read_text()[-3000:]
+    assert f"model process(es) ['{model}'] died; restarting tritonserver" in supervised.log_path.read_text()
+    print(f"recovered {recovery_s:.1f} s after {model} was killed")
+
+
+def test_sigterm_ends_open_streams_with_an_error_and_nothing_hangs(supervised):
+    out: dict = {}
+    thread = long_stream(supervised, out)
+    term_at = time.monotonic()
+    supervised.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert not thread.is_alive() and out["at"] - term_at < 30
+    assert out["result"].error is not None or out["result"].finish_reason
+    assert supervised.wait(60) is not None
