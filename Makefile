@@ -9,6 +9,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 .PHONY: setup serve test test-fast clean-cache
 
@@ -29,7 +30,7 @@ setup: $(VENV)/.installed
 
 serve: setup
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) \
-		exec $(PY) -m eagle_serve.serve --model-repository model_repository
+		exec $(PY) -m eagle_serve.serve --model-repository model_repository $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
