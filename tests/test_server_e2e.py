@@ -14,8 +14,8 @@ import pytest
 from eagle_serve.client import grpc_generate, http_generate, http_generate_stream, metrics
 from eagle_serve.engine import SamplingParams
 from eagle_serve.local import build_local_engine
-from eagle_serve.testing import make_random_head, make_tiny_llama
 from eagle_serve.tokenization import encode_prompt
+from server import tiny_server  # the tiny_models fixture lives in conftest.py
 
 pytestmark = pytest.mark.server
 
@@ -23,22 +23,6 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers.", "Explain speculative decoding in one sentence, please.",
            "Hi", "Name a color.", "Tell me a very short story about a robot who learns to paint.",
            "2+2="]
-
-
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served-models")
-    target = make_tiny_llama(root / "tiny-llama")
-    return {"target": target,
-            "eagle3": make_random_head(root / "eagle3", target, 3, draft_vocab_size=8192),
-            "eagle1": make_random_head(root / "eagle1", target, 1, fc_bias=True, fmt="bin")}
-
-
-def tiny_server(triton_server, tiny_models, head: str):
-    return triton_server(f"tiny64-{head}", overrides={"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models[head]),
-        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "256", "num_drafter_pages": "256"}})
 
 
 @pytest.fixture(scope="session")

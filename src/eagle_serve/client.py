@@ -36,6 +36,7 @@ class Generation:
     latency_s: float = 0.0
     error: str | None = None
     chunks: list[str] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)  # arrival of each response with tokens
 
     @property
     def acceptance_length(self) -> float:
@@ -45,8 +46,10 @@ class Generation:
     def add(self, text: str, ids: list[int], counters: dict[str, int], finish_reason: str,
             started: float) -> None:
         self.num_responses += 1
-        if ids and self.ttft_s is None:
-            self.ttft_s = time.perf_counter() - started
+        if ids:
+            self.times_s.append(time.perf_counter() - started)
+            if self.ttft_s is None:
+                self.ttft_s = self.times_s[0]
         self.text += text
         self.chunks.append(text)
         self.output_ids += ids
@@ -118,11 +121,16 @@ def grpc_generate(url: str, text: str, *, model: str = "ensemble", timeout_s: fl
     return gen
 
 
-def _body(text: str, stop: list[str] | None = None, **params) -> bytes:
+def request_body(text: str, stop: list[str] | None = None, **params) -> dict:
+    """The JSON body of an HTTP /generate or /generate_stream request (unset params left out)."""
     body = {"text_input": text, **{k: v for k, v in params.items() if v is not None}}
     if stop:
         body["stop"] = stop
-    return json.dumps(body).encode()
+    return body
+
+
+def _body(text: str, stop: list[str] | None = None, **params) -> bytes:
+    return json.dumps(request_body(text, stop, **params)).encode()
 
 
 def http_generate(url: str, text: str, *, model: str = "ensemble", timeout_s: float = 300.0,
@@ -141,7 +149,7 @@ def http_generate(url: str, text: str, *, model: str = "ensemble", timeout_s: fl
 
 
 def http_generate_stream(url: str, text: str, *, model: str = "ensemble",
-                         timeout_s: float = 300.0, **params) -> Generation:
+                         timeout_s: float = 300.0, on_chunk=None, **params) -> Generation:
     """POST /v2/models/<model>/generate_stream: server-sent events, one per response."""
     gen, started = Generation(), time.perf_counter()
     request = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
@@ -156,6 +164,8 @@ def http_generate_stream(url: str, text: str, *, model: str = "ensemble",
                 gen.error = event["error"]
                 break
             _add_json(gen, event, started)
+            if on_chunk and gen.chunks:
+                on_chunk(gen.chunks[-1])
     gen.latency_s = time.perf_counter() - started
     return gen
 

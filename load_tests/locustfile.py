@@ -1,0 +1,109 @@
+"""Load test of the `ensemble` model with varied prompts and sampling parameters.
+
+    locust -f load_tests/locustfile.py --headless -u 4 -r 4 -t 30s --host http://localhost:8000
+        HTTP /generate only: the default user class.
+    GRPC_PORT=8001 locust -f load_tests/locustfile.py --headless -u 4 -r 4 -t 30s \\
+        --host http://localhost:8000 GrpcStreamUser
+        gRPC streaming, opted into by name (name both classes to run both).
+
+`HttpGenerateUser` counts an HTTP error status or an "error" in the answer as a failure.
+`GrpcStreamUser` reports, per request, besides the whole stream ("grpc" / "stream"):
+"time_to_first_token" and "inter_token_latency" (ms, in the response-time columns) and
+"tokens_per_s" (tokens per second of the request, in the response-time columns).
+Prompts: load_tests/prompts.jsonl, or the JSONL file named by env LOCUST_PROMPTS.
+"""
+import grpc.experimental.gevent as grpc_gevent
+
+grpc_gevent.init_gevent()  # before any channel exists: gRPC's own threads must yield to gevent
+
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from urllib.parse import urlparse  # noqa: E402
+
+from locust import HttpUser, User, between, task  # noqa: E402
+
+from eagle_serve.client import grpc_generate, request_body  # noqa: E402
+
+TIMEOUT_S = 300.0
+PROMPTS_FILE = Path(os.environ.get("LOCUST_PROMPTS", Path(__file__).with_name("prompts.jsonl")))
+PROMPTS = [json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
+
+
+def random_request(rng: random.Random) -> tuple[str, dict]:
+    """A prompt and parameters: short answers, greedy or sampled, server-default or set k."""
+    params = {"max_tokens": rng.randint(4, 24),
+              "num_speculative_tokens": rng.choice([None, 0, 2, 4])}
+    if rng.random() < 0.4:
+        params.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([0.9, 1.0]),
+                      top_k=rng.choice([0, 50]), seed=rng.randrange(2**31))
+    if rng.random() < 0.2:
+        params["stop"] = ["."]
+    return rng.choice(PROMPTS), params
+
+
+def opted_in(class_name: str) -> bool:
+    """Locust runs every user class unless classes are named on its command line."""
+    return class_name in sys.argv[1:]
+
+
+class HttpGenerateUser(HttpUser):
+    """POST /v2/models/ensemble/generate: one JSON answer per request."""
+    wait_time = between(0.05, 0.5)
+    connection_timeout = 30.0
+    network_timeout = TIMEOUT_S
+
+    def on_start(self):
+        self.rng = random.Random()
+
+    @task
+    def generate(self):
+        prompt, params = random_request(self.rng)
+        with self.client.post("/v2/models/ensemble/generate", json=request_body(prompt, **params),
+                              name="/generate", catch_response=True, timeout=TIMEOUT_S) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                return
+            body = response.json()
+            if "error" in body:
+                response.failure(body["error"])
+            elif body.get("finish_reason") not in ("length", "stop"):
+                response.failure(f"unfinished answer: finish_reason={body.get('finish_reason')!r}")
+
+
+class GrpcStreamUser(User):
+    """A gRPC stream per request (port: env GRPC_PORT, host: --host's)."""
+    weight = 1 if opted_in("GrpcStreamUser") else 0
+    wait_time = between(0.05, 0.5)
+
+    def on_start(self):
+        self.rng = random.Random()
+        host = urlparse(self.host or "http://localhost").hostname or "localhost"
+        self.url = f"{host}:{os.environ.get('GRPC_PORT', '8001')}"
+
+    @task
+    def stream(self):
+        prompt, params = random_request(self.rng)
+        error = None
+        try:
+            gen = grpc_generate(self.url, prompt, stream=True, timeout_s=TIMEOUT_S, **params)
+            error = gen.error
+        except Exception as exc:  # unreachable server, timeout
+            self.report("stream", 0.0, 0, exc)
+            return
+        self.report("stream", gen.latency_s * 1000, len(gen.output_ids),
+                    RuntimeError(error) if error else None)
+        if error or gen.ttft_s is None:
+            return
+        self.report("time_to_first_token", gen.ttft_s * 1000, 0)
+        if len(gen.output_ids) > 1:
+            itl_s = (gen.times_s[-1] - gen.times_s[0]) / (len(gen.output_ids) - 1)
+            self.report("inter_token_latency", itl_s * 1000, 0)
+        self.report("tokens_per_s", len(gen.output_ids) / gen.latency_s, 0)
+
+    def report(self, name: str, value: float, length: int, exception=None):
+        self.environment.events.request.fire(request_type="grpc", name=name, response_time=value,
+                                             response_length=length, exception=exception,
+                                             context={})

@@ -1,0 +1,168 @@
+"""The shipped clients run as users run them: generate.py and bench.py as subprocesses against
+the real server, locust through load_tests/run.sh, and the compose file's structure."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle_serve import paths
+from server import tiny_server
+
+ROOT = paths.REPO_ROOT
+MODES = ("vanilla", "eagle", "hf", "hf-lookup")
+LOCUST = str(Path(sys.executable).with_name("locust"))
+
+
+def run(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "clients/generate.py", *args])
+
+
+@pytest.mark.server
+def test_generate_cli_prints_the_answer_over_grpc_stream_http_and_sse(triton_server):
+    server = triton_server("default")
+    prompt, common = "What is the capital of France?", ["--max-tokens", "24"]
+    grpc = generate("--url", server.grpc_url, "--num-speculative-tokens", "2", *common, prompt)
+    http = generate("--protocol", "http", "--url", server.http_url, "--num-speculative-tokens", "0",
+                    *common, prompt)
+    sse = generate("--protocol", "http", "--stream", "--url", f"http://{server.http_url}", *common,
+                   prompt)
+    texts = []
+    for got in (grpc, http, sse):
+        assert got.returncode == 0, got.stderr
+        text, summary = got.stdout.rstrip("\n").rsplit("\n", 1)
+        texts.append(text)
+        assert "Paris" in text
+        assert summary.startswith("[tokens ") and "tokens/s" in summary
+        assert "time to first token" in summary
+    assert texts[0] == texts[1] == texts[2]
+    assert "acceptance length n/a" in http.stdout  # k = 0 drafts nothing
+    assert "acceptance length n/a" not in grpc.stdout
+
+
+@pytest.mark.server
+def test_generate_cli_exits_nonzero_with_the_servers_error(triton_server):
+    server = triton_server("default")
+    bad_grpc = generate("--url", server.grpc_url, "--top-p", "1.5", "Hi")
+    bad_http = generate("--protocol", "http", "--url", server.http_url, "--top-p", "1.5", "Hi")
+    for got in (bad_grpc, bad_http):
+        assert got.returncode == 1 and "top_p" in got.stderr
+    unreachable = generate("--url", "localhost:1", "Hi")
+    assert unreachable.returncode == 1 and "error" in unreachable.stderr
+
+
+@pytest.mark.server
+def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_server, tiny_models,
+                                                                      tmp_path):
+    server = tiny_server(triton_server, tiny_models, "eagle3")  # its default k is 3
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Write a haiku about the sea."}\n')
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    got = run([sys.executable, "clients/bench.py", "--prompts", str(prompts), "--max-tokens", "12",
+               "--modes", ",".join(MODES), "--json", str(out), "--plot", str(png),
+               "--url", server.grpc_url, "--metrics-url", server.metrics_url,
+               "--concurrency", "1,2", "--target", str(tiny_models["target"]),
+               "--dtype", "float64"])
+    assert got.returncode == 0, got.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == set(MODES)
+    outputs = [modes[m]["outputs"] for m in MODES]
+    assert len(outputs[0]) == 2 and all(0 < len(o) <= 12 for o in outputs[0])
+    assert all(o == outputs[0] for o in outputs)  # eagle == vanilla == hf == hf-lookup
+    for name, mode in modes.items():
+        assert mode["tokens_per_s"] > 0
+        assert (mode["acceptance_length"] is None) == (name != "eagle")
+    assert modes["eagle"]["acceptance_length"] >= 1.0
+    assert len(modes["eagle"]["accepted_per_round_by_position"]) == 3
+    for name in ("vanilla", "eagle"):
+        mode = modes[name]
+        for key in ("ttft_ms", "tpot_ms"):
+            assert set(mode[key]) == {"p50", "p90", "p99"} and mode[key]["p50"] > 0
+        assert set(mode["by_concurrency"]) == {"1", "2"}
+        assert all(c["tokens_per_s"] > 0 for c in mode["by_concurrency"].values())
+    assert png.stat().st_size > 10_000
+    assert "vanilla" in got.stdout and "hf-lookup" in got.stdout  # the printed table
+
+
+def locust_run(tmp_path: Path, server, seconds: int, *user_classes: str):
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "GRPC_PORT": str(server.grpc_port),
+           "LOCUST": LOCUST}
+    got = run(["load_tests/run.sh", "2", "2", f"{seconds}s", f"http://{server.http_url}",
+               *user_classes], timeout=240, env=env)
+    with open(tmp_path / "locust_stats.csv") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    return got, rows
+
+
+@pytest.mark.server
+def test_locust_default_user_posts_generate_for_15_seconds_without_failures(triton_server, tmp_path):
+    got, rows = locust_run(tmp_path, triton_server("default"), 15)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    assert set(rows) == {("POST", "/generate"), ("", "Aggregated")}  # the HTTP user only
+    assert int(rows["", "Aggregated"]["Request Count"]) > 0
+    assert int(rows["", "Aggregated"]["Failure Count"]) == 0
+    assert (tmp_path / "report.html").stat().st_size > 0
+
+
+@pytest.mark.server
+def test_locust_grpc_stream_user_reports_ttft_and_inter_token_latency(triton_server, tiny_models,
+                                                                      tmp_path):
+    got, rows = locust_run(tmp_path, tiny_server(triton_server, tiny_models, "eagle3"), 6,
+                           "GrpcStreamUser")
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    names = {name for kind, name in rows if kind == "grpc"}
+    assert names == {"stream", "time_to_first_token", "inter_token_latency", "tokens_per_s"}
+    assert int(rows["", "Aggregated"]["Failure Count"]) == 0
+
+
+def test_locust_run_script_fails_when_requests_fail(tmp_path):
+    """Nothing listens on port 1: every request fails, so the run must exit non-zero."""
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "LOCUST": LOCUST}
+    got = run(["load_tests/run.sh", "1", "1", "3s", "http://localhost:1"], timeout=120, env=env)
+    assert got.returncode != 0
+
+
+VOLUME = re.compile(r"^(?:\$\{\w+:-(?P<default>[^}]*)\}|(?P<host>[^:$]+))"
+                    r":(?P<container>[^:]+)(?::ro|:rw)?$")
+
+
+def host_and_container(volume: str) -> tuple[str, str]:
+    """A compose short-syntax volume; a `${VAR:-default}` host path gives its default."""
+    m = VOLUME.match(volume)
+    assert m, volume
+    return m["default"] or m["host"], m["container"]
+
+
+def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    (service,) = compose["services"].values()
+    assert service["build"]["dockerfile"] == "docker/Dockerfile"
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    size, unit = int(service["shm_size"][:-2]), service["shm_size"][-2:].lower()
+    assert unit == "gb" and size >= 1
+    assert {p.split(":")[0] for p in service["ports"]} == {"8000", "8001", "8002"}
+    mounts = dict(host_and_container(v) for v in service["volumes"])
+    assert mounts["./models"] == "/models"
+    command = service["command"]
+    repo = next(a.split("=", 1)[1] for a in command if a.startswith("--model-repository="))
+    assert mounts["./model_repository"] == repo
+    assert "--model-config-name=gpu" in command
+    for model in ("eagle_target", "eagle_drafter", "spec_decode"):
+        assert (ROOT / "model_repository" / model / "configs" / "gpu.pbtxt").exists()
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "FROM nvcr.io/nvidia/tritonserver:24.10-py3" in dockerfile
+    pins = dict(line.split("==") for line in (ROOT / "requirements-gpu.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert pins["numpy"].startswith("1.") and "torch" in pins
