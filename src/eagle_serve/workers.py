@@ -23,6 +23,8 @@ def instance_device(args: dict) -> torch.device:
 
 
 class _Worker:
+    role = ""
+
     def __init__(self, args: dict):
         tu.require_single_instance(json.loads(args["model_config"]))
         self.repo = tu.repository_dir(args)
@@ -31,9 +33,12 @@ class _Worker:
         self.dtype = self.settings.torch_dtype(self.device.type == "cuda")
         self.target_dir, self.drafter_dir = self.settings.model_dirs(self.repo)
         self.epoch = random.getrandbits(62)
+        if self.device.type == "cpu":
+            self.settings.apply_threads(self.role)
 
 
 class TargetWorker(_Worker):
+    role = "target"
     def __init__(self, args: dict):
         super().__init__(args)
         from eagle_serve.checkpoints import load_head
@@ -56,6 +61,7 @@ class TargetWorker(_Worker):
 
 
 class DrafterWorker(_Worker):
+    role = "drafter"
     def __init__(self, args: dict):
         super().__init__(args)
         from eagle_serve.checkpoints import load_drafter

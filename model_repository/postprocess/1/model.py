@@ -6,8 +6,8 @@ eagle_serve.tokenization). Exactly one instance, so a stream's responses stay in
 """
 import json
 
-from eagle_serve import paths
 from eagle_serve import triton_utils as tu
+from eagle_serve.settings import tokenizer_dir
 from eagle_serve.tokenization import decode_delta, load_tokenizer
 
 
@@ -16,8 +16,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         tu.require_single_instance(config)
         params = tu.model_parameters(config)
-        folder = paths.resolve_model_path(params.get("tokenizer_dir", "default"),
-                                          base=tu.repository_dir(args))
+        folder = tokenizer_dir(params.get("tokenizer_dir", "target"), tu.repository_dir(args))
         self.tokenizer = load_tokenizer(folder)
         self.vocab_size = len(self.tokenizer)
         self.skip_special_tokens = tu.flag(params.get("skip_special_tokens", "true"))

@@ -5,16 +5,15 @@ client only. Tokenization itself lives in eagle_serve.tokenization.
 """
 import json
 
-from eagle_serve import paths
 from eagle_serve import triton_utils as tu
+from eagle_serve.settings import tokenizer_dir
 from eagle_serve.tokenization import encode_prompt, has_chat_template, load_tokenizer
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = tu.model_parameters(json.loads(args["model_config"]))
-        folder = paths.resolve_model_path(params.get("tokenizer_dir", "default"),
-                                          base=tu.repository_dir(args))
+        folder = tokenizer_dir(params.get("tokenizer_dir", "target"), tu.repository_dir(args))
         self.tokenizer = load_tokenizer(folder)
         self.max_input_bytes = int(params.get("max_input_bytes", 65536))
 

@@ -21,6 +21,8 @@ class TritonPythonModel:
         settings = ServingSettings.from_parameters(tu.model_parameters(config))
         target_dir, drafter_dir = settings.model_dirs(tu.repository_dir(args))
         device = instance_device(args)
+        if device.type == "cpu":
+            settings.apply_threads("engine")
         vocab = AutoConfig.from_pretrained(str(target_dir)).vocab_size
         target = BlsTarget(pb_utils, vocab, device)
         drafter = BlsDrafter(pb_utils, vocab, device) if drafter_dir is not None else None

@@ -72,6 +72,8 @@ def train(args) -> None:
                       steps=args.steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed)
     start = time.time()
     trainer = Trainer(rows, paths.resolve_model_path(args.target), args.work, cfg)
+    print(f"corpus: {len(rows)} answers; draft vocabulary {cfg.draft_vocab_size} covers "
+          f"{trainer.coverage:.4f} of answer tokens", flush=True)
     trainer.train()
     card = {"corpus_rows": len(rows), "answer_tokens": sum(len(r["output_ids"]) for r in rows),
             "draft_vocab_coverage": round(trainer.coverage, 5), "config": asdict(cfg),

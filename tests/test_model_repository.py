@@ -1,0 +1,36 @@
+"""The model repository's configs agree with each other and parse into settings."""
+from __future__ import annotations
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from eagle_serve import paths
+from eagle_serve.settings import ServingSettings, read_settings
+
+REPO = paths.REPO_ROOT / "model_repository"
+
+
+def parse(path):
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def test_the_gpu_config_of_each_model_differs_only_in_instance_kind_and_input_placement():
+    for model in ("eagle_target", "eagle_drafter", "spec_decode"):
+        cpu, gpu = parse(REPO / model / "config.pbtxt"), parse(REPO / model / "configs" / "gpu.pbtxt")
+        assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+        assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+        del gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]
+        del gpu.instance_group[:], cpu.instance_group[:]
+        assert cpu == gpu, model
+
+
+def test_the_default_settings_parse_and_name_every_field():
+    settings = read_settings(REPO)
+    params = parse(REPO / "spec_decode" / "config.pbtxt").parameters
+    assert set(params) == set(ServingSettings.__dataclass_fields__)
+    assert settings.target_model == "default" and settings.num_speculative_tokens >= 0
+
+
+def test_single_instance_models_ask_for_one_instance():
+    for model in ("eagle_target", "eagle_drafter", "spec_decode", "postprocess"):
+        assert sum(g.count or 1 for g in parse(REPO / model / "config.pbtxt").instance_group) == 1
