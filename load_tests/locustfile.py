@@ -10,6 +10,10 @@
 `GrpcStreamUser` reports, per request, besides the whole stream ("grpc" / "stream"):
 "time_to_first_token" and "inter_token_latency" (ms, in the response-time columns) and
 "tokens_per_s" (tokens per second of the request, in the response-time columns).
+`SoakUser` (opted into by name; `python -m eagle_serve.soak` runs it) mixes gRPC streams to
+the ensemble and to spec_decode's cancellable direct path: ~10% are cancelled after a random
+number of responses ("cancelled"), ~5% are intentionally bad ("bad request refused": success
+means the server refused them with a message), the rest must finish ("stream").
 Prompts: load_tests/prompts.jsonl, or the JSONL file named by env LOCUST_PROMPTS.
 """
 import grpc.experimental.gevent as grpc_gevent
@@ -20,6 +24,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from urllib.parse import urlparse  # noqa: E402
 
@@ -73,15 +78,25 @@ class HttpGenerateUser(HttpUser):
                 response.failure(f"unfinished answer: finish_reason={body.get('finish_reason')!r}")
 
 
-class GrpcStreamUser(User):
-    """A gRPC stream per request (port: env GRPC_PORT, host: --host's)."""
-    weight = 1 if opted_in("GrpcStreamUser") else 0
+class _GrpcUser(User):
+    """gRPC port: env GRPC_PORT, host: --host's; `report` fires a locust request event."""
+    abstract = True
     wait_time = between(0.05, 0.5)
 
     def on_start(self):
         self.rng = random.Random()
         host = urlparse(self.host or "http://localhost").hostname or "localhost"
         self.url = f"{host}:{os.environ.get('GRPC_PORT', '8001')}"
+
+    def report(self, name: str, value: float, length: int, exception=None):
+        self.environment.events.request.fire(request_type="grpc", name=name, response_time=value,
+                                             response_length=length, exception=exception,
+                                             context={})
+
+
+class GrpcStreamUser(_GrpcUser):
+    """A gRPC stream per request."""
+    weight = 1 if opted_in("GrpcStreamUser") else 0
 
     @task
     def stream(self):
@@ -103,7 +118,49 @@ class GrpcStreamUser(User):
             self.report("inter_token_latency", itl_s * 1000, 0)
         self.report("tokens_per_s", len(gen.output_ids) / gen.latency_s, 0)
 
-    def report(self, name: str, value: float, length: int, exception=None):
-        self.environment.events.request.fire(request_type="grpc", name=name, response_time=value,
-                                             response_length=length, exception=exception,
-                                             context={})
+
+BAD_REQUESTS = [  # (params, the message the server must answer with)
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(top_p=2.0), "top_p must be in (0, 1]"),
+    (dict(num_speculative_tokens=99), "num_speculative_tokens must be in"),
+    (dict(max_tokens=100_000), "exceeds max_model_len"),
+]
+
+
+def soak_request(rng: random.Random, url: str) -> tuple[str, Exception | None, int]:
+    """One soak request -> (report name, failure or None, tokens received)."""
+    prompt, params = random_request(rng)
+    roll = rng.random()
+    if roll < 0.05:
+        bad, message = rng.choice(BAD_REQUESTS)
+        gen = grpc_generate(url, prompt, model=rng.choice(["ensemble", "spec_decode"]),
+                            stream=True, timeout_s=TIMEOUT_S, **{**params, **bad})
+        ok = gen.error is not None and message in gen.error
+        return "bad request refused", None if ok else RuntimeError(f"expected {message!r}, got {gen.error!r}"), 0
+    if roll < 0.15:
+        gen = grpc_generate(url, prompt, model="spec_decode", stream=True, timeout_s=TIMEOUT_S,
+                            cancel_after_responses=rng.randint(1, 4), **{**params, "max_tokens": 32})
+        ok = gen.error is None and gen.finish_reason in ("cancelled-by-client", "length", "stop")
+        return "cancelled", None if ok else RuntimeError(f"{gen.error or gen.finish_reason}"), len(gen.output_ids)
+    gen = grpc_generate(url, prompt, model=rng.choice(["ensemble", "spec_decode"]), stream=True,
+                        timeout_s=TIMEOUT_S, **params)
+    if gen.error is not None:
+        return "stream", RuntimeError(gen.error), len(gen.output_ids)
+    if gen.finish_reason not in ("length", "stop"):
+        return "stream", RuntimeError(f"unfinished: {gen.finish_reason!r}"), len(gen.output_ids)
+    return "stream", None, len(gen.output_ids)
+
+
+class SoakUser(_GrpcUser):
+    """Mixed gRPC streams with cancellations and intentional bad requests (see the top)."""
+    weight = 1 if opted_in("SoakUser") else 0
+
+    @task
+    def stream(self):
+        started = time.perf_counter()
+        try:
+            name, failure, tokens = soak_request(self.rng, self.url)
+        except Exception as exc:  # unreachable server, client timeout
+            name, failure, tokens = "stream", exc, 0
+        self.report(name, (time.perf_counter() - started) * 1000, tokens, failure)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import concurrent.futures as futures
+import time
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from eagle_serve.client import grpc_generate, http_generate, metrics
+from eagle_serve.soak import run_soak
 from server import tiny_server
 
 pytestmark = pytest.mark.server
@@ -101,3 +103,60 @@ def test_a_burst_of_three_times_the_cache_completes_with_solo_outputs(triton_ser
     m = metrics(server.metrics_url)
     assert m["eagle_preemptions_total"] > 0  # the burst really overflowed the cache
     assert m['eagle_kv_pages_free{pool="target"}'] == 24
+
+
+def tight_server(triton_server, tiny_models):
+    """8 pages of 8 = 64 positions, one running request and one waiting: easy to overfill."""
+    return triton_server("tiny64-tight", overrides={"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
+        "num_target_pages": "8", "num_drafter_pages": "8", "max_running": "1",
+        "max_waiting": "1", "max_model_len": "160"}})
+
+
+def test_a_request_that_could_never_fit_the_cache_is_refused_and_nothing_else_changes(
+        triton_server, tiny_models):
+    server = tight_server(triton_server, tiny_models)
+    before = grpc_generate(server.grpc_url, PROMPT, max_tokens=16, ignore_eos=True)
+    huge = grpc_generate(server.grpc_url, PROMPT, max_tokens=120, ignore_eos=True)
+    assert huge.error is not None and "KV positions" in huge.error, huge.error
+    after = grpc_generate(server.grpc_url, PROMPT, max_tokens=16, ignore_eos=True)
+    assert after.error is None and after.output_ids == before.output_ids
+
+
+def test_beyond_the_waiting_queue_requests_get_server_busy_and_the_rest_are_exact(
+        triton_server, tiny_models):
+    server = tight_server(triton_server, tiny_models)
+    kw = dict(max_tokens=16, ignore_eos=True, stream=True)  # ~58 of the 64 positions
+    solo = grpc_generate(server.grpc_url, PROMPT, **kw)
+    with futures.ThreadPoolExecutor(8) as pool:
+        burst = list(pool.map(lambda _: grpc_generate(server.grpc_url, PROMPT, **kw), range(8)))
+    busy = [g for g in burst if g.error is not None]
+    served = [g for g in burst if g.error is None]
+    assert busy and all("server busy" in g.error for g in busy), [g.error for g in busy]
+    assert served and all(g.output_ids == solo.output_ids for g in served)
+    idle = {'eagle_kv_pages_free{pool="target"}': 8, 'eagle_kv_pages_free{pool="drafter"}': 8}
+    assert wait_for_metrics(server.metrics_url, idle), metrics(server.metrics_url)
+
+
+def wait_for_metrics(url: str, expected: dict[str, float], deadline_s: float = 30.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        m = metrics(url)
+        if all(m.get(k) == v for k, v in expected.items()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_one_minute_soak_serves_every_request_and_leaks_nothing(triton_server, tiny_models, tmp_path):
+    """The CI-sized version of `python -m eagle_serve.soak` (README: the 10-minute run)."""
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    report = run_soak("localhost", server.grpc_port, server.metrics_port, server.process.pid,
+                      duration_s=60, users=4, out=tmp_path, log=lambda _: None)
+    requests = report["requests"]
+    assert requests["stream"]["count"] > 10, requests
+    assert all(v["failures"] == 0 for v in requests.values()), (requests, (tmp_path / "locust.log").read_text()[-3000:])
+    assert all(v == 0 for v in report["leaked"].values()), report
+    assert all(report["model_processes_alive"].values()) and len(report["model_processes_alive"]) >= 3
+    assert (tmp_path / "soak.png").stat().st_size > 0

@@ -75,6 +75,8 @@ class SpecDecodeService:
         # Started by the first request: BLS calls are allowed from threads that `execute`
         # starts, not from `initialize`.
         self._thread = threading.Thread(target=self._loop, name="spec-decode-engine", daemon=True)
+        if metrics:  # the gauges show the idle pool from the start, not 0 until a first request
+            metrics.update(engine)
 
     # ---- from execute ----
 
