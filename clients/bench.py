@@ -4,7 +4,9 @@
         --modes vanilla,eagle,hf,hf-lookup --json out/bench.json --plot out/bench.png
 
 Modes: `vanilla` = the server with num_speculative_tokens 0 (the baseline every speedup is
-measured against); `eagle` = the server with its default k (or --k); `hf` = transformers
+measured against); `eagle` = the server with its default k (or --k) and draft-tree shape (or
+--draft-topk/--draft-depth; comma lists sweep every combination, one mode each, named e.g.
+`eagle-topk4-depth3`); `hf` = transformers
 `generate` (greedy unless --temperature) in this process on the same weights and dtype, with
 the same chat template; `hf-lookup` = the same with prompt-lookup decoding.
 
@@ -50,7 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="host:port of the metrics endpoint (default: --url's host, port 8002)")
     p.add_argument("--concurrency", help="comma list of client counts, e.g. 1,4,8")
     p.add_argument("--temperature", type=float, help="sample at this temperature (default greedy)")
-    p.add_argument("--k", type=int, help="num_speculative_tokens of eagle mode (default: the server's)")
+    p.add_argument("--k", type=int, help="num_speculative_tokens of eagle mode (default: the "
+                   "server's); with draft trees, the nodes verified per round")
+    p.add_argument("--draft-topk", help="eagle mode: children per draft-tree node, a comma list "
+                   "sweeps (1 = chain; default: the server's)")
+    p.add_argument("--draft-depth", help="eagle mode: draft-tree depth, a comma list sweeps "
+                   "(default: the server's)")
     p.add_argument("--target", default=str(paths.default_target_dir()), help="HF folder for hf modes")
     p.add_argument("--dtype", default="auto", help="hf modes: float32|float64|bfloat16|float16|auto "
                    "(auto = bfloat16 on CUDA, else float32, as the server)")
@@ -63,9 +70,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.modes:
         p.error(f"unknown modes {sorted(unknown)}; choose from {SERVER_MODES + HF_MODES}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    args.variants = eagle_variants(args.draft_topk, args.draft_depth)
+    if "eagle" in args.modes:
+        at = args.modes.index("eagle")
+        args.modes[at:at + 1] = list(args.variants)
     args.url = args.url.split("://", 1)[-1].rstrip("/")
     args.metrics_url = args.metrics_url or f"{args.url.rsplit(':', 1)[0]}:8002"
     return args
+
+
+def eagle_variants(topks: str | None, depths: str | None) -> dict[str, dict]:
+    """Eagle modes -> their tree parameters: one `eagle` mode, or one per (topk, depth) pair."""
+    parse = lambda text: [int(x) for x in text.split(",")] if text else [None]  # noqa: E731
+    pairs = [(t, d) for t in parse(topks) for d in parse(depths)]
+    if len(pairs) == 1:
+        return {"eagle": {"draft_topk": pairs[0][0], "draft_depth": pairs[0][1]}}
+    name = lambda t, d: "eagle" + (f"-topk{t}" if t else "") + (f"-depth{d}" if d else "")  # noqa: E731
+    return {name(t, d): {"draft_topk": t, "draft_depth": d} for t, d in pairs}
+
+
+def is_eagle(mode: str) -> bool:
+    return mode == "eagle" or mode.startswith("eagle-")
 
 
 def load_prompts(path: str) -> list[str]:
@@ -108,9 +133,11 @@ def percentiles(seconds: list[float]) -> dict[str, float | None]:
 # ---- server modes ----
 
 def server_params(mode: str, args: argparse.Namespace) -> dict:
-    k = 0 if mode == "vanilla" else args.k
-    return dict(max_tokens=args.max_tokens, num_speculative_tokens=k, stream=True,
-                temperature=args.temperature)
+    if mode == "vanilla":
+        return dict(max_tokens=args.max_tokens, num_speculative_tokens=0, stream=True,
+                    temperature=args.temperature)
+    return dict(max_tokens=args.max_tokens, num_speculative_tokens=args.k, stream=True,
+                temperature=args.temperature, **args.variants[mode])
 
 
 def run_server(args, mode: str, prompts: list[str], concurrency: int) -> Run:
@@ -161,8 +188,9 @@ def read_metrics(url: str) -> dict[str, float] | None:
 
 
 def position_acceptance(url: str, before: dict | None, run: Run, k: int | None) -> list[float] | None:
-    """Accepted drafts at position j per verify round (j = 1..k), from metric deltas; the sum
-    plus one is the acceptance length. Waits briefly for the engine to publish its last round."""
+    """Accepted drafts at position (tree depth) j per verify round (j = 1..k), from metric
+    deltas; the sum plus one is the acceptance length. Waits briefly for the engine to publish
+    its last round."""
     if before is None:
         return None
     rounds_key = "eagle_spec_decode_rounds_total"
@@ -247,14 +275,15 @@ def run_hf(runner: HFRunner, args, mode: str, prompts: list[str]) -> Run:
 def bench(args, prompts: list[str]) -> dict:
     modes, runner = {}, None
     for mode in args.modes:
-        if mode in SERVER_MODES:
+        if mode in SERVER_MODES or is_eagle(mode):
             warm_up(args, mode, prompts[0])
-            before = read_metrics(args.metrics_url) if mode == "eagle" else None
+            before = read_metrics(args.metrics_url) if is_eagle(mode) else None
             run = run_server(args, mode, prompts, 1)
             report = {**run.report(), "outputs": run.outputs}
-            if mode == "eagle":
+            if is_eagle(mode):
+                report.update({k: v for k, v in args.variants[mode].items() if v is not None})
                 report["accepted_per_round_by_position"] = position_acceptance(
-                    args.metrics_url, before, run, args.k)
+                    args.metrics_url, before, run, args.variants[mode]["draft_depth"] or args.k)
                 if report["acceptance_length"] is None:
                     print("bench: eagle mode drafted nothing (the server's default k is 0?): "
                           "pass --k", file=sys.stderr)
@@ -277,7 +306,8 @@ def report_without_outputs(report: dict) -> dict:
 
 def settings(args, prompts: list[str]) -> dict:
     return {"prompts": args.prompts, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "k": args.k, "url": args.url,
+            "temperature": args.temperature, "k": args.k, "draft_topk": args.draft_topk,
+            "draft_depth": args.draft_depth, "url": args.url,
             "target": args.target if any(m in HF_MODES for m in args.modes) else None,
             "dtype": args.dtype, "concurrency": args.concurrency}
 
@@ -289,17 +319,18 @@ def fmt(value, spec: str = ".1f") -> str:
 def table(result: dict) -> str:
     modes = result["modes"]
     base = modes.get("vanilla", {}).get("tokens_per_s")
-    rows = [f"{'mode':10s} {'tokens/s':>9s} {'speedup':>8s} {'accept':>7s} {'TTFT p50':>9s} "
+    w = max([10] + [len(name) + 4 for name in modes])
+    rows = [f"{'mode':{w}s} {'tokens/s':>9s} {'speedup':>8s} {'accept':>7s} {'TTFT p50':>9s} "
             f"{'TPOT p50':>9s}  (ms)"]
     for name, m in modes.items():
         speedup = m["tokens_per_s"] / base if base else None
-        rows.append(f"{name:10s} {m['tokens_per_s']:9.1f} {fmt(speedup, '.2f'):>8s} "
+        rows.append(f"{name:{w}s} {m['tokens_per_s']:9.1f} {fmt(speedup, '.2f'):>8s} "
                     f"{fmt(m['acceptance_length'], '.2f'):>7s} "
                     f"{fmt(m.get('ttft_ms', {}).get('p50')):>9s} "
                     f"{fmt(m.get('tpot_ms', {}).get('p50')):>9s}")
     for name, m in modes.items():
         for c, r in m.get("by_concurrency", {}).items():
-            rows.append(f"{name + ' x' + c:10s} {r['tokens_per_s']:9.1f} {'':>8s} "
+            rows.append(f"{name + ' x' + c:{w}s} {r['tokens_per_s']:9.1f} {'':>8s} "
                         f"{fmt(r['acceptance_length'], '.2f'):>7s} "
                         f"{fmt(r['ttft_ms']['p50']):>9s} {fmt(r['tpot_ms']['p50']):>9s}")
     return "\n".join(rows)
@@ -311,7 +342,8 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     modes = result["modes"]
-    positions = (modes.get("eagle") or {}).get("accepted_per_round_by_position")
+    eagle = next((name for name in modes if is_eagle(name)), None)
+    positions = (modes.get(eagle) or {}).get("accepted_per_round_by_position")
     concurrent = {n: m["by_concurrency"] for n, m in modes.items() if m.get("by_concurrency")}
     panels = 1 + bool(positions) + bool(concurrent)
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
@@ -323,9 +355,9 @@ def plot(result: dict, path: str) -> None:
         ax = axes.pop(0)
         ax.bar(range(1, len(positions) + 1), positions, color="tab:green")
         ax.set_xticks(range(1, len(positions) + 1))
-        length = modes["eagle"]["acceptance_length"]
-        ax.set(title=f"eagle: accepted per round by draft position (AL {fmt(length, '.2f')})",
-               xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1))
+        length = modes[eagle]["acceptance_length"]
+        ax.set(title=f"{eagle}: accepted per round by draft position (AL {fmt(length, '.2f')})",
+               xlabel="draft position (tree depth)", ylabel="P(accepted)", ylim=(0, 1))
         ax.title.set_fontsize(9)
     if concurrent:
         ax = axes.pop(0)

@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft tokens per round, 0 = plain decoding (default: the server's)")
+    p.add_argument("--draft-topk", type=int,
+                   help="children per draft-tree node, 1 = a chain (greedy only; default: the server's)")
+    p.add_argument("--draft-depth", type=int, help="draft-tree depth (default: the server's)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as it is")
     p.add_argument("--model", default="ensemble")
@@ -49,6 +52,7 @@ def generate(args: argparse.Namespace, on_chunk):
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop,
                   num_speculative_tokens=args.num_speculative_tokens,
+                  draft_topk=args.draft_topk, draft_depth=args.draft_depth,
                   ignore_eos=args.ignore_eos or None, stream=stream,
                   apply_chat_template=False if args.no_chat_template else None)
     common = dict(model=args.model, timeout_s=args.timeout, **params)

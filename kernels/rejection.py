@@ -58,6 +58,45 @@ def greedy_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
     return out, num
 
 
+def greedy_tree_accept(draft_ids: torch.Tensor, parents: torch.Tensor, cu_num_drafts: torch.Tensor,
+                       target_argmax: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance over draft trees: from the root, step to the child whose token equals
+    the target's argmax at the current node, while there is one; then the argmax there.
+
+    draft_ids: [N]; parents: [N] (index of the parent within its request's nodes, -1 = the
+    root; parents before children); cu_num_drafts: [B+1]; target_argmax: [N+B] (request b owns
+    rows cu[b]+b .. cu[b+1]+b: the root's, then one per node)
+    -> out [B, max_k+1] (-1 padded), num_emitted [B], path [B, max_k] (accepted node indices
+    in path order, -1 padded). A chain (parents -1, 0, 1, ...) gives greedy_accept's answer.
+    """
+    assert draft_ids.shape == parents.shape and draft_ids.ndim == 1
+    assert target_argmax.shape[0] == draft_ids.shape[0] + cu_num_drafts.shape[0] - 1
+    cu = cu_num_drafts.tolist()
+    num_req = len(cu) - 1
+    max_k = max((cu[b + 1] - cu[b] for b in range(num_req)), default=0)
+    out = torch.full((num_req, max_k + 1), -1, dtype=torch.int64)
+    path = torch.full((num_req, max_k), -1, dtype=torch.int64)
+    num = torch.zeros(num_req, dtype=torch.int64)
+    drafts, parent, argmax = draft_ids.tolist(), parents.tolist(), target_argmax.tolist()
+    for b in range(num_req):
+        nodes = range(cu[b], cu[b + 1])
+        rows = argmax[cu[b] + b: cu[b + 1] + b + 1]  # rows[0]: root, rows[1 + i]: node i
+        emitted, accepted, current = [], [], -1
+        while True:
+            emitted.append(rows[current + 1])
+            child = next((n - cu[b] for n in nodes
+                          if parent[n] == current and drafts[n] == emitted[-1]), None)
+            if child is None:
+                break
+            accepted.append(child)
+            current = child
+        out[b, :len(emitted)] = torch.tensor(emitted)
+        path[b, :len(accepted)] = torch.tensor(accepted, dtype=torch.int64)
+        num[b] = len(emitted)
+    return out, num, path
+
+
 def random_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
                       target_probs: torch.Tensor, draft_probs: torch.Tensor,
                       seeds: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

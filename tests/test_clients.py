@@ -95,6 +95,41 @@ def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_serv
     assert "vanilla" in got.stdout and "hf-lookup" in got.stdout  # the printed table
 
 
+def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
+    sys.path.insert(0, str(ROOT / "clients"))
+    import bench
+    args = bench.parse_args(["--prompts", "p.jsonl", "--max-tokens", "8", "--json", "o.json",
+                             "--modes", "vanilla,eagle,hf", "--draft-topk", "1,4",
+                             "--draft-depth", "3"])
+    assert args.modes == ["vanilla", "eagle-topk1-depth3", "eagle-topk4-depth3", "hf"]
+    assert bench.server_params("eagle-topk4-depth3", args)["draft_topk"] == 4
+    assert bench.server_params("vanilla", args)["num_speculative_tokens"] == 0
+    single = bench.parse_args(["--prompts", "p.jsonl", "--max-tokens", "8", "--json", "o.json",
+                               "--draft-topk", "2"])
+    assert single.modes == ["vanilla", "eagle"] and single.variants["eagle"]["draft_topk"] == 2
+
+
+@pytest.mark.server
+def test_bench_sweeps_draft_trees_with_the_same_greedy_output(triton_server, tiny_models, tmp_path):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "List three prime numbers."}\n')
+    out = tmp_path / "bench.json"
+    got = run([sys.executable, "clients/bench.py", "--prompts", str(prompts), "--max-tokens", "10",
+               "--modes", "vanilla,eagle", "--json", str(out), "--url", server.grpc_url,
+               "--metrics-url", server.metrics_url, "--k", "6", "--draft-topk", "1,3",
+               "--draft-depth", "3", "--warmup", "0"])
+    assert got.returncode == 0, got.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["vanilla", "eagle-topk1-depth3", "eagle-topk3-depth3"]
+    assert all(m["outputs"] == modes["vanilla"]["outputs"] for m in modes.values())
+    for name in ("eagle-topk1-depth3", "eagle-topk3-depth3"):
+        assert modes[name]["acceptance_length"] >= 1.0
+        assert len(modes[name]["accepted_per_round_by_position"]) == 3
+    assert modes["eagle-topk3-depth3"]["draft_topk"] == 3
+    assert "eagle-topk3-depth3" in got.stdout
+
+
 def locust_run(tmp_path: Path, server, seconds: int, *user_classes: str):
     env = {**os.environ, "OUT_DIR": str(tmp_path), "GRPC_PORT": str(server.grpc_port),
            "LOCUST": LOCUST}

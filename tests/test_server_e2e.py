@@ -157,3 +157,36 @@ def test_twenty_direct_streams_cancelled_at_random_points_leave_nothing_behind(t
                 and m['eagle_kv_pages_free{pool="target"}'] == 256
                 and m['eagle_kv_pages_free{pool="drafter"}'] == 256 and m["eagle_draft_slots_free"] == 256)
     assert wait_for(idle, timeout_s=30)
+
+
+@pytest.mark.parametrize("head", ["eagle3", "eagle1"])
+def test_tree_requests_through_the_server_equal_plain_greedy(triton_server, tiny_models,
+                                                            local_expected, head):
+    """EAGLE-2 trees (draft_topk > 1) over the ensemble, alone and batched with chains; a bad
+    shape is refused by name (which also shows the model processes run this checkout)."""
+    server = tiny_server(triton_server, tiny_models, head)
+    shapes = [dict(draft_topk=2, draft_depth=3, num_speculative_tokens=4),
+              dict(draft_topk=4, draft_depth=4, num_speculative_tokens=8),
+              dict(draft_topk=3, draft_depth=2, num_speculative_tokens=6),
+              dict(draft_topk=1, num_speculative_tokens=3), dict(num_speculative_tokens=0)]
+    bad = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=8, draft_topk=99)
+    assert bad.error is not None and "draft_topk must be in [1, 8]" in bad.error
+    alone = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=20, ignore_eos=True,
+                          stream=True, **shapes[1])
+    assert alone.error is None and alone.output_ids == local_expected(PROMPTS[0], 20)
+    assert alone.counters["num_draft_tokens"] > 0
+    jobs = [(PROMPTS[i], 12 + 2 * i, shapes[i % len(shapes)]) for i in range(6)]
+    with futures.ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda j: grpc_generate(server.grpc_url, j[0], max_tokens=j[1],
+                                                         ignore_eos=True, stream=True, **j[2]),
+                                 jobs))
+    for (prompt, n, _), got in zip(jobs, together):
+        assert got.error is None and got.output_ids == local_expected(prompt, n)
+    http = http_generate(server.http_url, PROMPTS[2], max_tokens=16, ignore_eos=True, **shapes[2])
+    assert http.error is None and http.output_ids == local_expected(PROMPTS[2], 16)
+
+    def idle():
+        m = metrics(server.metrics_url)
+        return (m['eagle_kv_pages_free{pool="target"}'] == 256 and m["eagle_requests_running"] == 0
+                and m['eagle_kv_pages_free{pool="drafter"}'] == 256 and m["eagle_draft_slots_free"] == 256)
+    assert wait_for(idle)

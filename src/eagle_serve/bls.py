@@ -16,16 +16,20 @@ from eagle_serve.interfaces import DraftOutput, KVLost, RaggedBatch, RowSampling
 
 BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "block_tables", "slot_mapping")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
+# Optional inputs, sent only when present (a batch with a draft tree; KV moves; tree shapes):
+# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64; draft_topk / draft_depth [B].
 
 
 def to_pb(pb, name: str, tensor: torch.Tensor):
     return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor.contiguous()))
 
 
-def input_tensor(pb, request, name: str) -> torch.Tensor:
-    """A request's input as a torch tensor, zero-copy."""
+def input_tensor(pb, request, name: str, optional: bool = False) -> torch.Tensor | None:
+    """A request's input as a torch tensor, zero-copy (None if optional and absent)."""
     tensor = pb.get_input_tensor_by_name(request, name)
     if tensor is None:
+        if optional:
+            return None
         raise ValueError(f"input '{name}' is missing")
     return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
 
@@ -37,14 +41,23 @@ def output_tensor(pb, response, name: str) -> torch.Tensor | None:
 
 
 def batch_tensors(pb, batch: RaggedBatch, sampling: RowSampling) -> list:
-    return ([to_pb(pb, f, getattr(batch, f)) for f in BATCH_FIELDS]
+    tree = [] if batch.tree_mask is None else [to_pb(pb, "tree_mask", batch.tree_mask.to(torch.int8))]
+    return ([to_pb(pb, f, getattr(batch, f)) for f in BATCH_FIELDS] + tree
             + [to_pb(pb, f, getattr(sampling, f)) for f in SAMPLING_FIELDS])
 
 
 def batch_from_request(pb, request, device) -> tuple[RaggedBatch, RowSampling]:
     read = lambda name: input_tensor(pb, request, name).to(device)  # noqa: E731
-    return (RaggedBatch(*(read(f) for f in BATCH_FIELDS)),
-            RowSampling(*(read(f) for f in SAMPLING_FIELDS)))
+    tree = input_tensor(pb, request, "tree_mask", optional=True)
+    batch = RaggedBatch(*(read(f) for f in BATCH_FIELDS),
+                        tree_mask=None if tree is None else tree.to(device).bool())
+    return batch, RowSampling(*(read(f) for f in SAMPLING_FIELDS))
+
+
+def optional_pair(pb, request, names: tuple[str, str], device) -> tuple | None:
+    """Two optional inputs sent together -> (a, b) on `device`, or None when absent."""
+    a, b = (input_tensor(pb, request, n, optional=True) for n in names)
+    return None if a is None or b is None else (a.to(device), b.to(device))
 
 
 class _BlsModel:
@@ -75,10 +88,13 @@ class BlsTarget(_BlsModel):
         super().__init__(pb, model_name, device)
         self.vocab_size = vocab_size
 
-    def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor,
-                sampling: RowSampling) -> TargetOutput:
+    def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
+                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
         outputs = ["hidden", "argmax"] + (["probs"] if bool(sampling.sampled.any()) else [])
         inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "logit_rows", logit_rows)]
+        if kv_moves is not None and kv_moves[0].numel() > 0:
+            inputs += [to_pb(self.pb, "kv_move_src", kv_moves[0]),
+                       to_pb(self.pb, "kv_move_dst", kv_moves[1])]
         r = self.call(inputs, outputs)
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)  # no rows needed logits
         probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))
@@ -91,15 +107,19 @@ class BlsDrafter(_BlsModel):
         self.vocab_size = vocab_size
 
     def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling) -> DraftOutput:
+                sampling: RowSampling, topk: torch.Tensor | None = None,
+                depth: torch.Tensor | None = None) -> DraftOutput:
         wants_probs = bool((sampling.sampled & (num_drafts > 0)).any())
-        outputs = ["tokens"] + (["probs"] if wants_probs else [])
+        trees = topk is not None and bool((topk > 1).any())
+        outputs = ["tokens"] + (["probs"] if wants_probs else []) + (["parents"] if trees else [])
         inputs = batch_tensors(self.pb, batch, sampling) + [
             to_pb(self.pb, "features", features), to_pb(self.pb, "num_drafts", num_drafts)]
+        if trees:
+            inputs += [to_pb(self.pb, "draft_topk", topk), to_pb(self.pb, "draft_depth", depth)]
         r = self.call(inputs, outputs)
         no_drafts = torch.zeros((num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)
         probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))
-        return DraftOutput(tokens=r.get("tokens", no_drafts), probs=probs)
+        return DraftOutput(tokens=r.get("tokens", no_drafts), probs=probs, parents=r.get("parents"))
 
 
 def response_tensors(pb, named: dict[str, torch.Tensor], epoch: int) -> list:

@@ -17,7 +17,8 @@ import numpy as np
 PARAMS = {
     "max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32),
     "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32), "seed": ("UINT64", np.uint64),
-    "num_speculative_tokens": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_),
+    "num_speculative_tokens": ("INT32", np.int32), "draft_topk": ("INT32", np.int32),
+    "draft_depth": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_),
     "stream": ("BOOL", np.bool_), "apply_chat_template": ("BOOL", np.bool_),
 }
 COUNTERS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens",

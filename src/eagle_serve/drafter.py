@@ -20,7 +20,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from eagle_serve.interfaces import DraftOutput, RaggedBatch, RowSampling
+from eagle_serve.interfaces import DraftOutput, RaggedBatch, RowSampling, ancestor_mask
 from eagle_serve.llama import PagedKVCache, paged_self_attention
 from kernels.sampling import DRAFT, compute_probs, sample
 
@@ -156,25 +156,54 @@ class Drafter:
 
     @torch.inference_mode()
     def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling) -> DraftOutput:
-        """Catch up on the batch's rows, then draft num_drafts[b] tokens for each request.
+                sampling: RowSampling, topk: torch.Tensor | None = None,
+                depth: torch.Tensor | None = None) -> DraftOutput:
+        """Catch up on the batch's rows, then draft num_drafts[b] nodes for each request: a
+        chain, or (topk[b] > 1, greedy) an EAGLE-2 tree of depth[b] levels.
 
         batch: rows (f_p, x_{p+1}) at drafter positions p; block tables must also cover the
-        positions the draft steps write (seq_len .. seq_len + k - 2). features: [T, F];
-        num_drafts: [B] int64 -> DraftOutput
+        positions the draft steps write (chains: seq_len .. seq_len + k - 2; trees: seq_len ..
+        seq_len + topk * (depth - 1) - 1). features: [T, F]; num_drafts, topk, depth: [B] int64
+        -> DraftOutput
         """
         emb = nn.functional.embedding(batch.input_ids, self.embed_tokens)
         out = self.head.step(emb, features.to(self.dtype), True, batch, self.cache)
         last = out[batch.cu_seqlens[1:] - 1]  # [B, H]
+        is_tree = torch.zeros_like(num_drafts, dtype=torch.bool)  # [B]; sampled rows: chains
+        if topk is not None:
+            is_tree = (topk > 1) & ~sampling.sampled
+        tokens, probs = self._draft_chains(batch, last, torch.where(is_tree, 0, num_drafts), sampling)
+        ks = num_drafts.tolist()
+        width = max(ks, default=0)
+        cols = torch.arange(width, device=self.device)
+        parents = torch.where(cols < num_drafts.unsqueeze(1), cols - 1, -1)  # [B, width] chains
+        tokens = nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=-1)
+        scores = None
+        tree_rows = is_tree.nonzero().squeeze(1).tolist()
+        if tree_rows:
+            scores = torch.zeros((len(ks), width), dtype=torch.float64, device=self.device)
+            trees = self._draft_trees(batch, last, tree_rows, ks, topk.tolist(), depth.tolist())
+            for b, tree in zip(tree_rows, trees):
+                n = len(tree.tokens)
+                tokens[b], parents[b] = -1, -1
+                tokens[b, :n] = torch.tensor(tree.tokens, device=self.device)
+                parents[b, :n] = torch.tensor(tree.parents, device=self.device)
+                scores[b, :n] = torch.tensor(tree.scores, dtype=torch.float64, device=self.device)
+        return DraftOutput(tokens=tokens, probs=probs, parents=parents, scores=scores)
+
+    def _draft_chains(self, batch: RaggedBatch, last: torch.Tensor, num_drafts: torch.Tensor,
+                      sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """k_b drafts per request, each fed back with the drafter's own feature.
+        last: [B, H] catch-up outputs -> tokens [B, max_k] (-1 padded), q [N_sampled, V]"""
         ks = num_drafts.tolist()
         num_req, max_k = len(ks), max(ks, default=0)
         tokens = torch.full((num_req, max_k), -1, dtype=torch.int64, device=self.device)
         probs = [[] for _ in range(num_req)]
         active = torch.arange(num_req, device=self.device)
-        seq_lens = batch.seq_lens.clone()
+        seq_lens = batch.seq_lens
         for j in range(max_k):
+            active = active[num_drafts[active] > j]
             if j > 0:  # feed back (own feature, previous draft) at position seq_len + j - 1
-                active = active[num_drafts[active] > j]
                 step = self._single_token_batch(batch, active, tokens[active, j - 1], seq_lens[active] + j - 1)
                 emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
                 last = last.clone()
@@ -187,7 +216,62 @@ class Drafter:
                     probs[b].append(q[row])
         flat = [p for per_req in probs for p in per_req]
         q_all = torch.stack(flat) if flat else torch.zeros((0, self.vocab_size), device=self.device)
-        return DraftOutput(tokens=tokens, probs=q_all.float())
+        return tokens, q_all.float()
+
+    def _draft_trees(self, batch: RaggedBatch, last: torch.Tensor, rows: list[int],
+                     num_nodes: list[int], topk: list[int], depth: list[int]) -> list["_Tree"]:
+        """EAGLE-2 dynamic trees (greedy requests): the root's top-k children are the depth-1
+        candidates; each further level expands the top-k candidates of the previous depth by
+        cumulative log-probability, in one drafter forward for every tree of the batch; then
+        the best num_nodes candidates are kept. last: [B, H] catch-up outputs."""
+        trees = [_Tree(int(batch.seq_lens[b]), topk[b], depth[b], num_nodes[b]) for b in rows]
+        self._add_children(trees, [-1] * len(trees), last[rows])
+        for level in range(1, max(t.depth for t in trees)):
+            active = [i for i, t in enumerate(trees) if t.depth > level]
+            new_rows = [trees[i].expand(level, last[rows[i]]) for i in active]
+            step = self._tree_batch(batch, [rows[i] for i in active], [trees[i] for i in active])
+            emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
+            feats = torch.cat([torch.stack(trees[i].inputs) for i in active])
+            out = self.head.step(emb, feats, False, step, self.cache)  # [sum E, H]
+            ends = step.cu_seqlens[1:].tolist()
+            picked = [(i, c, out[end - len(new) + r]) for i, new, end in zip(active, new_rows, ends)
+                      for r, c in enumerate(new)]
+            for i, c, feature in picked:
+                trees[i].outputs[c] = feature
+            self._add_children([trees[i] for i, _, _ in picked], [c for _, c, _ in picked],
+                               torch.stack([f for _, _, f in picked]))
+        return [t.select() for t in trees]
+
+    def _add_children(self, trees: list["_Tree"], nodes: list[int], features: torch.Tensor) -> None:
+        """The top-k children of each (tree, node) from its output feature [R, H]."""
+        logp = torch.log_softmax(self.logits(features).double(), dim=-1)  # [R, V_draft]
+        values, ids = logp.topk(max(t.topk for t in trees), dim=-1)
+        target_ids = self.to_target_ids(ids)
+        for r, (tree, node) in enumerate(zip(trees, nodes)):
+            k = tree.topk
+            tree.add(node, target_ids[r, :k].tolist(), values[r, :k].tolist())
+
+    def _tree_batch(self, batch: RaggedBatch, rows: list[int], trees: list["_Tree"]) -> RaggedBatch:
+        """Every expanded node of each tree as a new token: stored at seq_len + e (e = order of
+        expansion), RoPE position seq_len + depth - 1, seeing the context and its ancestors."""
+        tables = batch.block_tables[rows]
+        ids, positions, slots, cu, seq_lens = [], [], [], [0], []
+        for b, tree in enumerate(trees):
+            stored = range(tree.end, tree.end + len(tree.expanded))
+            ids += [tree.tokens[c] for c in tree.expanded]
+            positions += [tree.end + tree.depths[c] - 1 for c in tree.expanded]
+            pages = tables[b, [p // self.page_size for p in stored]].tolist()
+            slots += [page * self.page_size + p % self.page_size for page, p in zip(pages, stored)]
+            cu.append(cu[-1] + len(stored))
+            seq_lens.append(stored.stop)
+        width = max(len(t.expanded) for t in trees)
+        mask = torch.zeros((len(trees), width, width), dtype=torch.bool)
+        for b, tree in enumerate(trees):
+            n = len(tree.expanded)
+            mask[b, :n, :n] = ancestor_mask(tree.expanded_parents())
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        return RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens), tables, t(slots),
+                           tree_mask=mask.to(self.device))
 
     def _sample(self, logits: torch.Tensor, s: RowSampling, positions: list[int]):
         """-> target ids [R], target-vocabulary q [R, V] (None if all greedy)"""
@@ -212,3 +296,67 @@ class Drafter:
                            cu_seqlens=torch.arange(n + 1, device=self.device),
                            seq_lens=positions + 1, block_tables=tables,
                            slot_mapping=pages * self.page_size + positions % self.page_size)
+
+
+class _Tree:
+    """Candidates of one EAGLE-2 draft tree: each has a token, a parent (-1 = the root), a
+    depth and a score (cumulative draft log-probability); `expanded` lists the candidates fed
+    through the drafter, in order (parents first), with their input features and outputs."""
+
+    def __init__(self, end: int, topk: int, depth: int, num_nodes: int):
+        self.end, self.topk, self.depth, self.num_nodes = end, topk, depth, num_nodes
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []
+        self.expanded: list[int] = []
+        self.inputs: list[torch.Tensor] = []      # [H] parent's output feature per expanded node
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def add(self, parent: int, tokens: list[int], logps: list[float]) -> None:
+        base = 0.0 if parent < 0 else self.scores[parent]
+        for token, logp in zip(tokens, logps):
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+            self.scores.append(base + logp)
+
+    def _rank(self, c: int) -> tuple:
+        # a child never ranks before its parent: its score is <= the parent's, ties by depth
+        return (-self.scores[c], self.depths[c], c)
+
+    def expand(self, level: int, root_feature: torch.Tensor) -> list[int]:
+        """Mark the top-k candidates of depth `level` for expansion -> their indices."""
+        frontier = sorted((c for c, d in enumerate(self.depths) if d == level), key=self._rank)
+        new = frontier[:self.topk]
+        for c in new:
+            p = self.parents[c]
+            self.inputs.append(root_feature if p < 0 else self.outputs[p])
+        self.expanded += new
+        return new
+
+    def expanded_parents(self) -> list[int]:
+        where = {c: e for e, c in enumerate(self.expanded)}
+        return [where.get(self.parents[c], -1) for c in self.expanded]
+
+    def select(self) -> "_Tree":
+        """The best num_nodes candidates, depth-first with the best child first (so the
+        drafter's own greedy path comes first) -> a tree with tokens, parents, scores."""
+        keep = sorted(range(len(self.tokens)), key=self._rank)[:self.num_nodes]
+        children: dict[int, list[int]] = {-1: []}
+        for c in keep:  # in rank order: best child first
+            assert self.parents[c] in children, "a kept node's parent was not kept"
+            children[self.parents[c]].append(c)
+            children[c] = []
+        order, stack = [], list(reversed(children[-1]))
+        while stack:
+            c = stack.pop()
+            order.append(c)
+            stack += reversed(children[c])
+        index = {c: i for i, c in enumerate(order)}
+        out = _Tree(self.end, self.topk, self.depth, self.num_nodes)
+        out.tokens = [self.tokens[c] for c in order]
+        out.parents = [index.get(self.parents[c], -1) for c in order]
+        out.depths = [self.depths[c] for c in order]
+        out.scores = [self.scores[c] for c in order]
+        return out

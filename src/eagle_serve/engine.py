@@ -4,15 +4,24 @@ One `step()` is one round for every running request:
   schedule  - reserve KV pages (target + drafter) for the round; admit waiting requests while
               pages allow; when pages run out, preempt the newest request (free everything,
               requeue, recompute later) instead of failing;
-  verify    - one target forward over [uncomputed tokens + drafts] of every request;
-  accept    - greedy: longest matching prefix + the target's token; sampled: rejection
-              sampling with the real draft probabilities -> 1..k+1 new tokens; roll back;
+  verify    - one target forward over [uncomputed tokens + drafts] of every request (drafts
+              of a tree attend to their ancestors only, at RoPE position prefix + depth);
+  accept    - greedy: longest matching root-to-leaf path + the target's token; sampled:
+              rejection sampling with the real draft probabilities -> 1..k+1 new tokens; roll
+              back (the accepted path's KV moves to contiguous positions with the next forward);
   draft     - one drafter call catches up on the newly verified positions and proposes the
-              next k drafts of every speculative request.
+              next drafts of every speculative request: a chain of k, or (greedy requests with
+              draft_topk > 1) an EAGLE-2 dynamic tree of k nodes.
 A request with num_speculative_tokens = 0 goes through the same path without drafts: that is
-the plain-decoding baseline. Randomness is keyed by (seed, position, purpose), so a seeded
-request's output does not depend on its batch; a preempted request is recomputed up to its last
-token and drafted again, so its round structure (and output) is the same as without preemption.
+the plain-decoding baseline. Sampled requests always draft chains (draft_topk is treated as 1),
+which keeps rejection sampling exactly lossless. Randomness is keyed by (seed, position,
+purpose), so a seeded request's output does not depend on its batch; a preempted request is
+recomputed up to its last token and drafted again, so its round structure (and output) is the
+same as without preemption.
+
+Draft trees: k (num_speculative_tokens) is the number of nodes verified per round; a greedy
+request with draft_topk > 1 drafts an EAGLE-2 tree of min(k, tree_capacity(topk, depth))
+nodes, depth = draft_depth clamped to k (and to the tokens it may still emit).
 
 The engine knows token ids, pages and slots; the models behind `TargetRunner` and
 `DrafterRunner` hold weights and KV tensors. The tokenizer is used only for stop strings.
@@ -27,11 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_serve.interfaces import DrafterRunner, KVLost, RaggedBatch, RowSampling, TargetRunner
+from eagle_serve.interfaces import (DrafterRunner, KVLost, RaggedBatch, RowSampling, TargetRunner,
+                                    ancestor_mask, tree_depths)
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.stopping import StopChecker
 from eagle_serve.workspace import DraftWorkspace
-from kernels.rejection import greedy_accept, random_accept
+from kernels.rejection import greedy_accept, greedy_tree_accept, random_accept
 
 
 class EngineBusy(RuntimeError):
@@ -50,6 +60,24 @@ class EngineConfig:
     num_drafter_pages: int = 256      # must match the drafter's cache
     num_draft_slots: int = 128        # draft tokens in flight (workspace slots)
     eos_token_ids: tuple[int, ...] = ()
+    draft_topk: int = 1               # children per draft-tree node of requests that do not ask
+    #                                   (1 = a chain of k)
+    draft_depth: int = 0              # draft-tree levels of requests that do not ask (0 = k)
+    max_draft_topk: int = 8
+    max_draft_depth: int = 8
+
+    def validate(self) -> None:
+        if not 1 <= self.draft_topk <= self.max_draft_topk:
+            raise ValueError(f"draft_topk must be in [1, {self.max_draft_topk}], got {self.draft_topk}")
+        if not 0 <= self.draft_depth <= self.max_draft_depth:
+            raise ValueError(f"draft_depth must be in [0, {self.max_draft_depth}] (0 = k), "
+                             f"got {self.draft_depth}")
+
+
+def tree_capacity(topk: int, depth: int) -> int:
+    """Candidates an EAGLE-2 tree of this shape scores: topk at depth 1, topk^2 at each deeper
+    level (the children of the topk expanded nodes)."""
+    return topk + (depth - 1) * topk * topk if depth > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -62,8 +90,10 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # None = the engine's default; 0 = plain decoding
     stop: tuple[str, ...] = ()        # stop strings, excluded from the output
     ignore_eos: bool = False
+    draft_topk: int | None = None     # children per tree node; None = the engine's; 1 = chain
+    draft_depth: int | None = None    # tree levels; None = the engine's
 
-    def validate(self, max_k: int) -> None:
+    def validate(self, max_k: int, max_topk: int = 8, max_depth: int = 8) -> None:
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -72,6 +102,10 @@ class SamplingParams:
             (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= max_k,
              f"num_speculative_tokens must be in [0, {max_k}], got {self.num_speculative_tokens}"),
             (all(self.stop), "stop strings must not be empty"),
+            (self.draft_topk is None or 1 <= self.draft_topk <= max_topk,
+             f"draft_topk must be in [1, {max_topk}], got {self.draft_topk}"),
+            (self.draft_depth is None or 1 <= self.draft_depth <= max_depth,
+             f"draft_depth must be in [1, {max_depth}], got {self.draft_depth}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -102,9 +136,14 @@ class _Request:
     arrival: int
     stop: StopChecker | None
     tokens: list[int]
+    topk: int = 1                   # draft-tree shape (1 = chain; sampled requests: 1)
+    depth: int = 0                  # <= k
     num_computed: int = 0           # positions in the target's KV
     draft_computed: int = 0         # positions in the drafter's KV
     drafts: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)   # of each draft (-1 = the last token)
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) target positions,
+    #                                 applied by the next forward (the accepted tree path)
     draft_slots: list[int] = field(default_factory=list)
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
@@ -126,6 +165,15 @@ class _Request:
         p = self.params
         return (p.temperature, p.top_k, p.top_p, self.seed)
 
+    @property
+    def is_tree(self) -> bool:
+        """Drafts that are not a chain (-1, 0, 1, ...)."""
+        return any(p != j - 1 for j, p in enumerate(self.parents))
+
+    def drafter_scratch(self) -> int:
+        """Drafter positions past the verified ones that one drafting round may write."""
+        return max(self.k, self.topk * (self.depth - 1)) if self.topk > 1 else self.k
+
 
 @dataclass
 class EngineStats:
@@ -134,6 +182,8 @@ class EngineStats:
     accepted_tokens: int = 0
     rounds: int = 0
     preemptions: int = 0
+    kv_moves: int = 0                 # target KV positions moved after accepting off a tree's
+    #                                   first path
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
@@ -141,6 +191,7 @@ class EngineStats:
 class Engine:
     def __init__(self, target: TargetRunner, drafter: DrafterRunner | None, config: EngineConfig,
                  tokenizer=None, device="cpu"):
+        config.validate()
         self.target, self.drafter, self.config, self.tokenizer = target, drafter, config, tokenizer
         self.device = torch.device(device)
         self.target_pool = PagePool(config.num_target_pages, config.page_size, "target")
@@ -161,7 +212,8 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; raises ValueError (bad request) or EngineBusy."""
         cfg = self.config
-        params.validate(cfg.max_speculative_tokens if self.drafter else 0)
+        params.validate(cfg.max_speculative_tokens if self.drafter else 0, cfg.max_draft_topk,
+                        cfg.max_draft_depth)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         k = cfg.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
@@ -170,22 +222,34 @@ class Engine:
         if total > cfg.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({cfg.max_model_len})")
-        need = total + k + 1
-        pools = [self.target_pool] + ([self.drafter_pool] if k else [])
-        if not all(pool.can_hold(need) for pool in pools):
-            raise ValueError(f"the request needs {need} KV positions; the cache holds only "
-                             f"{min(p.num_pages for p in pools) * cfg.page_size}")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         stop = StopChecker(self.tokenizer, params.stop) if params.stop else None
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = _Request(request_id, len(prompt_ids), params, k, seed % (1 << 63), 0, stop,
                        list(prompt_ids))
+        req.topk, req.depth = self._tree_shape(params, k)
+        need = [(self.target_pool, total + k + 1)]
+        if k:
+            need.append((self.drafter_pool, total + req.drafter_scratch() + 1))
+        if not all(pool.can_hold(n) for pool, n in need):
+            raise ValueError(f"the request needs {max(n for _, n in need)} KV positions; the "
+                             f"cache holds only {min(p.num_pages for p, _ in need) * cfg.page_size}")
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= cfg.max_waiting:
                 raise EngineBusy(f"server busy: {cfg.max_waiting} requests are already waiting")
             req.arrival = next(self._arrivals)
             self._inbox.append(("add", req))
         return request_id
+
+    def _tree_shape(self, params: SamplingParams, k: int) -> tuple[int, int]:
+        """-> (topk, depth) of the request's drafts: depth <= k; sampled requests draft chains
+        of k (rejection sampling over a tree would need per-node draft distributions)."""
+        cfg = self.config
+        if params.temperature > 0 or k == 0:
+            return 1, k
+        topk = cfg.draft_topk if params.draft_topk is None else params.draft_topk
+        depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
+        return topk, min(depth or k, k)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -203,11 +267,12 @@ class Engine:
         self._schedule()
         if self.running:
             try:
-                batch, logit_rows, sampling, plan = self._target_batch()
-                result = self.target.forward(batch, logit_rows, sampling)
+                batch, logit_rows, sampling, plan, moves = self._target_batch()
+                result = self.target.forward(batch, logit_rows, sampling,
+                                             **({"kv_moves": moves} if moves else {}))
                 self.stats.steps += 1
-                emitted = self._accept(result, plan)
-                features = self._advance(result.hidden, plan, emitted)
+                emitted, paths = self._accept(result, plan)
+                features = self._advance(result.hidden, plan, emitted, paths)
                 self._draft(features)
             except KVLost:  # tokens verified so far stand; all KV is recomputed
                 for req in list(reversed(self.running)):
@@ -237,9 +302,10 @@ class Engine:
                         outputs.append(self._output(req, force=True))
 
     def _need(self, req: _Request) -> tuple[int, int]:
-        """KV positions this round may touch: target (tokens + drafts), drafter (+ next k)."""
+        """KV positions this round may touch: target (tokens + drafts), drafter (+ the next
+        drafts' scratch)."""
         n = len(req.tokens) + len(req.drafts)
-        return n, (n + req.k if req.k else 0)
+        return n, (n + req.drafter_scratch() if req.k else 0)
 
     def _reserve(self, req: _Request) -> bool:
         t, d = self._need(req)
@@ -281,21 +347,26 @@ class Engine:
         self.target_pool.release(req.target_pages)
         self.drafter_pool.release(req.drafter_pages)
         self.workspace.free(req.draft_slots)
-        req.drafts, req.draft_slots = [], []
+        req.drafts, req.draft_slots, req.parents = [], [], []
+        req.kv_moves = []  # with the pages gone, those positions are recomputed
 
     # ---- verify ----
 
     def _target_batch(self):
-        """Rows of each request: tokens it has not computed + its drafts. A request that was
-        preempted after emitting tokens recomputes all but its last token and samples nothing."""
+        """Rows of each request: tokens it has not computed + its drafts (node i stored at
+        position len(tokens) + i, RoPE position len(tokens) - 1 + depth_i). A request that was
+        preempted after emitting tokens recomputes all but its last token and samples nothing.
+        -> batch, logit rows, their sampling, plan, pending KV moves (src, dst slots) or None"""
         ids, positions, cu, seq_lens, slots, logit_rows, rows_sampling, plan = [], [], [0], [], [], [], [], []
+        shapes, src, dst = [], [], []
         for req in self.running:
             start = req.num_computed
             resume = len(req.output) > 0 and start < len(req.tokens) - 1
             real = req.tokens[start:len(req.tokens) - 1 if resume else len(req.tokens)]
             new = real + req.drafts
             ids += new
-            positions += range(start, start + len(new))
+            positions += range(start, start + len(real))
+            positions += [len(req.tokens) - 1 + d for d in tree_depths(req.parents)]
             slots += [self.target_pool.slot(req.target_pages, p) for p in range(start, start + len(new))]
             n_logits = 0 if resume else 1 + len(req.drafts)
             logit_rows += range(cu[-1] + len(new) - n_logits, cu[-1] + len(new))
@@ -303,10 +374,33 @@ class Engine:
             plan.append((req, cu[-1], len(real), n_logits))
             cu.append(cu[-1] + len(new))
             seq_lens.append(start + len(new))
+            shapes.append((len(real), req.parents))
+            for a, b in req.kv_moves:
+                src.append(self.target_pool.slot(req.target_pages, a))
+                dst.append(self.target_pool.slot(req.target_pages, b))
+            req.kv_moves = []
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        tree_mask = None
+        if any(req.is_tree for req in self.running):
+            masks = [self._verify_mask(n, parents) for n, parents in shapes]
+            width = max(m.shape[0] for m in masks)
+            tree_mask = torch.zeros((len(masks), width, width), dtype=torch.bool)
+            for b, m in enumerate(masks):
+                tree_mask[b, :m.shape[0], :m.shape[0]] = m
+            tree_mask = tree_mask.to(self.device)
         batch = RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens),
-                            self._tables([r.target_pages for r in self.running]), t(slots))
-        return batch, t(logit_rows), self._row_sampling(rows_sampling), plan
+                            self._tables([r.target_pages for r in self.running]), t(slots),
+                            tree_mask=tree_mask)
+        moves = (t(src), t(dst)) if src else None
+        return batch, t(logit_rows), self._row_sampling(rows_sampling), plan, moves
+
+    @staticmethod
+    def _verify_mask(num_real: int, parents: list[int]) -> torch.Tensor:
+        """[n, n] bool over a request's rows: causal, but a draft sees only its ancestors."""
+        n = num_real + len(parents)
+        mask = torch.ones((n, n), dtype=torch.bool).tril()
+        mask[num_real:, num_real:] = ancestor_mask(parents)
+        return mask
 
     def _tables(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(t) for t in tables))
@@ -320,9 +414,11 @@ class Engine:
                            torch.tensor(top_p, dtype=torch.float32, device=self.device),
                            torch.tensor(seeds, dtype=torch.int64, device=self.device))
 
-    def _accept(self, result, plan) -> dict[str, list[int]]:
-        """-> emitted tokens per request id (requests that sampled nothing are absent)."""
+    def _accept(self, result, plan) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """-> emitted tokens per request id (requests that sampled nothing are absent), and the
+        accepted draft nodes (the path, in order) per request id."""
         emitted: dict[str, list[int]] = {}
+        paths: dict[str, list[int]] = {}
         row, prob_row = 0, 0
         greedy, sampled = [], []
         for req, _, _, n_logits in plan:
@@ -336,9 +432,17 @@ class Engine:
                 sampled.append((req, result.probs[prob_row:prob_row + n_logits]))
                 prob_row += n_logits
         if greedy:
-            drafts, cu = self._flat_drafts([r for r, _ in greedy])
-            out, num = greedy_accept(drafts, cu, torch.cat([a for _, a in greedy]))
-            for i, (req, _) in enumerate(greedy):
+            reqs = [r for r, _ in greedy]
+            drafts, cu = self._flat_drafts(reqs)
+            argmax = torch.cat([a for _, a in greedy])
+            if any(r.is_tree for r in reqs):
+                parents = torch.tensor([p for r in reqs for p in r.parents], dtype=torch.int64)
+                out, num, path = greedy_tree_accept(drafts, parents, cu, argmax)
+                for i, req in enumerate(reqs):
+                    paths[req.id] = path[i, :num[i] - 1].tolist()
+            else:
+                out, num = greedy_accept(drafts, cu, argmax)
+            for i, req in enumerate(reqs):
                 emitted[req.id] = out[i, :num[i]].tolist()
         if sampled:
             reqs = [r for r, _ in sampled]
@@ -349,7 +453,9 @@ class Engine:
                                      [r.seed for r in reqs], [len(r.tokens) for r in reqs])
             for i, req in enumerate(reqs):
                 emitted[req.id] = out[i, :num[i]].tolist()
-        return emitted
+        for rid, tokens in emitted.items():
+            paths.setdefault(rid, list(range(len(tokens) - 1)))  # chains: the first drafts
+        return emitted, paths
 
     def _flat_drafts(self, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
         lens = [len(r.drafts) for r in reqs]
@@ -357,27 +463,35 @@ class Engine:
         drafts = torch.tensor([d for r in reqs for d in r.drafts], dtype=torch.int64, device=self.device)
         return drafts, cu
 
-    def _advance(self, hidden: torch.Tensor, plan, emitted) -> list[tuple]:
-        """Append accepted tokens, roll back KV, update stats. -> drafter work per request:
-        (request, feature rows [n, F])."""
+    def _advance(self, hidden: torch.Tensor, plan, emitted, paths) -> list[tuple]:
+        """Append accepted tokens, roll back KV, update stats. The accepted path's KV (node i
+        at position L + i) belongs at L + depth - 1: those moves go with the next forward, so
+        the pages holding their sources stay until then. -> drafter work per request:
+        (request, feature rows [n, F]: real rows, then the path's rows in path order)."""
         work = []
         for req, first_row, num_real, _ in plan:
             tokens = emitted.get(req.id)
-            accepted = 0
+            path = paths.get(req.id, [])
             if tokens is not None:
-                accepted = len(tokens) - 1
-                self._count_round(req, accepted)
+                self._count_round(req, len(path))
                 self._append(req, tokens)
-            valid = num_real + accepted  # rows whose KV and features are now the truth
-            req.num_computed += valid
+            base = req.num_computed + num_real  # position of draft node 0
+            req.num_computed = base + len(path)
+            req.kv_moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
+            self.stats.kv_moves += len(req.kv_moves)
             self.workspace.free(req.draft_slots)
-            req.drafts, req.draft_slots = [], []
-            self.target_pool.shrink(req.target_pages, req.num_computed)
+            req.drafts, req.draft_slots, req.parents = [], [], []
+            keep = max([req.num_computed] + [a + 1 for a, _ in req.kv_moves])
+            self.target_pool.shrink(req.target_pages, keep)
             if req.k and not req.finish_reason:
-                work.append((req, hidden[first_row:first_row + valid]))
+                rows = list(range(first_row, first_row + num_real))
+                rows += [first_row + num_real + i for i in path]
+                work.append((req, hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]))
         return work
 
     def _count_round(self, req: _Request, accepted: int) -> None:
+        """accepted = length of the accepted path; per-position counters count by depth."""
+        offered = max(tree_depths(req.parents), default=0)  # deepest draft (a chain: k)
         req.num_rounds += 1
         req.num_draft_tokens += len(req.drafts)
         req.num_accepted_tokens += accepted
@@ -385,7 +499,7 @@ class Engine:
         s.rounds += 1
         s.draft_tokens += len(req.drafts)
         s.accepted_tokens += accepted
-        for j in range(len(req.drafts)):
+        for j in range(offered):
             s.drafted_per_position[j] += 1
             s.accepted_per_position[j] += int(j < accepted)
 
@@ -409,13 +523,13 @@ class Engine:
     def _draft(self, work: list[tuple]) -> None:
         if not work or self.drafter is None:
             return
-        ids, positions, cu, seq_lens, slots, feats, ks = [], [], [0], [], [], [], []
+        ids, positions, cu, seq_lens, slots, feats, shapes = [], [], [0], [], [], [], []
         for req, rows in work:
             start, end = req.draft_computed, req.num_computed
             assert rows.shape[0] == end - start, "drafter fell behind the target"
             left = min(req.params.max_tokens - len(req.output) - 1,
                        self.config.max_model_len - len(req.tokens))
-            ks.append(max(0, min(req.k, left)))
+            shapes.append(self._draft_shape(req, left))
             ids += req.tokens[start + 1:end + 1]
             positions += range(start, end)
             slots += [self.drafter_pool.slot(req.drafter_pages, p) for p in range(start, end)]
@@ -426,12 +540,17 @@ class Engine:
         batch = RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens),
                             self._tables([r.drafter_pages for r, _ in work]), t(slots))
         sampling = self._row_sampling([r.sampling_row() for r, _ in work])
-        out = self.drafter.propose(batch, torch.cat(feats), t(ks), sampling)
+        ks, topks, depths = (list(x) for x in zip(*shapes))
+        trees = {"topk": t(topks), "depth": t(depths)} if max(topks) > 1 else {}
+        out = self.drafter.propose(batch, torch.cat(feats), t(ks), sampling, **trees)
         prob_row = 0
         for i, (req, _) in enumerate(work):
             req.draft_computed = req.num_computed
             self.drafter_pool.shrink(req.drafter_pages, req.draft_computed)
             drafts = out.tokens[i, :ks[i]].tolist()
+            drafts = drafts[:drafts.index(-1)] if -1 in drafts else drafts  # fewer nodes
+            parents = (out.parents[i, :len(drafts)].tolist() if out.parents is not None
+                       else list(range(-1, len(drafts) - 1)))
             slots = self.workspace.alloc(len(drafts))
             if not req.greedy:
                 q = out.probs[prob_row:prob_row + len(drafts)]
@@ -439,7 +558,17 @@ class Engine:
                 if slots is not None:
                     self.workspace.store(slots, q)
             if slots is not None:  # no free slots: this round verifies no drafts
-                req.drafts, req.draft_slots = drafts, slots
+                req.drafts, req.draft_slots, req.parents = drafts, slots, parents
+
+    @staticmethod
+    def _draft_shape(req: _Request, left: int) -> tuple[int, int, int]:
+        """-> (nodes, topk, depth) of this round's drafts; `left` = tokens the request may still
+        add after the next one. A tree of depth D scores tree_capacity(topk, D) candidates and
+        keeps the best min(k, that) of them; depth is clamped to `left` (a chain: k too)."""
+        depth = max(0, min(req.depth, left))
+        if req.topk > 1 and depth > 0:
+            return min(req.k, tree_capacity(req.topk, depth)), req.topk, depth
+        return depth, 1, depth
 
     # ---- results ----
 

@@ -21,22 +21,27 @@ class KVLost(RuntimeError):
 class RaggedBatch:
     """New tokens of several requests in one flat batch, against a paged KV cache.
 
-    Request b owns rows cu_seqlens[b]:cu_seqlens[b+1]; they are its positions
-    seq_lens[b] - n_b .. seq_lens[b] - 1.
+    Request b owns rows cu_seqlens[b]:cu_seqlens[b+1]; they are stored at its positions
+    seq_lens[b] - n_b .. seq_lens[b] - 1 (slot_mapping). `positions` are the RoPE positions:
+    the same for a chain, the prefix length + depth for draft-tree nodes. With `tree_mask`,
+    row i of request b sees its new row j only where tree_mask[b, i, j] (its ancestors and
+    itself); None = causal.
     """
     input_ids: torch.Tensor     # [T] int64
-    positions: torch.Tensor     # [T] int64
+    positions: torch.Tensor     # [T] int64: RoPE positions
     cu_seqlens: torch.Tensor    # [B+1] int64
     seq_lens: torch.Tensor      # [B] int64: context length after this forward
     block_tables: torch.Tensor  # [B, P] int64, -1 padded
     slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset
+    tree_mask: torch.Tensor | None = None  # [B, Qt, Qt] bool, Qt >= every n_b; None = causal
 
     @property
     def num_requests(self) -> int:
         return self.seq_lens.shape[0]
 
     def to(self, device) -> "RaggedBatch":
-        return RaggedBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return RaggedBatch(*(None if getattr(self, f) is None else getattr(self, f).to(device)
+                             for f in self.__dataclass_fields__))
 
 
 @dataclass
@@ -65,19 +70,54 @@ class TargetOutput:
 
 @dataclass
 class DraftOutput:
+    """Drafts of each request as a tree in topological order (a chain: parents -1, 0, 1, ...)."""
     tokens: torch.Tensor  # [B, max_k] int64 target-vocabulary ids, -1 padded
     probs: torch.Tensor   # [N_sampled, V] draft probabilities q of sampled requests' drafts,
-    #                       request-major, draft order
+    #                       request-major, draft order (sampled requests draft chains)
+    parents: torch.Tensor | None = None  # [B, max_k] int64: index of the parent node in the
+    #                       same row, -1 = the root (the last verified token), -1 padded;
+    #                       None = every row is a chain
+    scores: torch.Tensor | None = None   # [B, max_k] cumulative draft log-probability of tree
+    #                       nodes (in-process only; tests and diagnostics)
+
+
+def chain_parents(num_rows: int, width: int, device=None) -> torch.Tensor:
+    """[num_rows, width] parents of chains: -1, 0, 1, ..."""
+    return (torch.arange(width, device=device) - 1).expand(num_rows, width).clone()
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth (1-based) of each node of a topologically ordered tree."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: node i sees node j where j is i or one of its ancestors."""
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
 
 
 class TargetRunner(Protocol):
     feature_size: int
     vocab_size: int
 
-    def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor,
-                sampling: RowSampling) -> TargetOutput: ...
+    def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
+                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+        """kv_moves: (src_slots [M], dst_slots [M]) int64: copy every layer's K/V from src to
+        dst before the forward writes anything (the accepted path of a draft tree)."""
+        ...
 
 
 class DrafterRunner(Protocol):
     def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling) -> DraftOutput: ...
+                sampling: RowSampling, topk: torch.Tensor | None = None,
+                depth: torch.Tensor | None = None) -> DraftOutput:
+        """num_drafts: [B] nodes per request; topk, depth: [B] (None = chains); a row with
+        topk > 1 drafts an EAGLE-2 dynamic tree of num_drafts nodes."""
+        ...

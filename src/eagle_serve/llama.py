@@ -33,6 +33,12 @@ class PagedKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_pages, self.page_size = num_pages, page_size
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at slots src [M] to slots dst [M] (all read before any write)."""
+        for cache in self.keys + self.values:
+            flat = cache.view(-1, *cache.shape[2:])  # [num_pages * page_size, kv_heads, head_dim]
+            flat[dst] = flat[src]
+
 
 def paged_self_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          batch: RaggedBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,7 +56,7 @@ def paged_self_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens,
-                          batch.seq_lens, head_dim ** -0.5)
+                          batch.seq_lens, head_dim ** -0.5, tree_mask=batch.tree_mask)
     return attn.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -103,9 +109,12 @@ class TargetModel:
         return final, features
 
     @torch.inference_mode()
-    def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor,
-                sampling: RowSampling) -> TargetOutput:
-        """logit_rows: [R] rows of the batch to score; sampling: per row -> TargetOutput"""
+    def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
+                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+        """logit_rows: [R] rows of the batch to score; sampling: per row; kv_moves: (src [M],
+        dst [M]) slots copied first -> TargetOutput"""
+        if kv_moves is not None:
+            self.cache.move(*(m.to(self.device) for m in kv_moves))
         final, features = self.hidden_states(batch)
         logits = self.lm_head(final[logit_rows])  # [R, V]
         sampled = sampling.sampled

@@ -51,6 +51,7 @@ def read_prompt(request, tokenizer, max_input_bytes: int) -> tuple[list[int], bo
 def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bool]:
     """One request's sampling parameters and stream flag (RequestError if bad)."""
     k = tu.scalar(request, "num_speculative_tokens")
+    topk, depth = tu.scalar(request, "draft_topk"), tu.scalar(request, "draft_depth")
     params = SamplingParams(
         max_tokens=int(tu.scalar(request, "max_tokens", 128)),
         temperature=float(tu.scalar(request, "temperature", 0.0)),
@@ -58,6 +59,8 @@ def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bo
         top_k=int(tu.scalar(request, "top_k", 0)),
         seed=None if tu.scalar(request, "seed") is None else int(tu.scalar(request, "seed")),
         num_speculative_tokens=None if k is None else int(k),
+        draft_topk=None if topk is None else int(topk),
+        draft_depth=None if depth is None else int(depth),
         stop=tuple(tu.texts(request, "stop", max_bytes=max_stop_bytes)),
         ignore_eos=bool(tu.scalar(request, "ignore_eos", False)))
     return params, bool(tu.scalar(request, "stream", False))

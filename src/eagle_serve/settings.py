@@ -27,6 +27,10 @@ class ServingSettings:
     max_model_len: int = 2048
     num_speculative_tokens: int = 0            # default k of a request
     max_speculative_tokens: int = 8
+    draft_topk: int = 1                        # default children per draft-tree node (1 = chain)
+    draft_depth: int = 0                       # default draft-tree depth (0 = k)
+    max_draft_topk: int = 8
+    max_draft_depth: int = 8
     max_input_bytes: int = 65536               # text_input limit on the direct path
     target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
@@ -75,7 +79,8 @@ class ServingSettings:
             max_waiting=self.max_waiting, max_model_len=self.max_model_len,
             page_size=self.page_size, num_target_pages=self.num_target_pages,
             num_drafter_pages=self.num_drafter_pages, num_draft_slots=self.num_draft_slots,
-            eos_token_ids=eos_token_ids)
+            eos_token_ids=eos_token_ids, draft_topk=self.draft_topk, draft_depth=self.draft_depth,
+            max_draft_topk=self.max_draft_topk, max_draft_depth=self.max_draft_depth)
 
 
 def tokenizer_dir(value: str, repo_dir: Path) -> Path:

@@ -77,7 +77,8 @@ class OracleDrafter:
         raise AssertionError("oracle does not know this request")
 
     def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling) -> DraftOutput:
+                sampling: RowSampling, topk=None, depth=None) -> DraftOutput:
+        """Chains only (topk and depth are ignored; see TreeOracleDrafter)."""
         assert not bool(sampling.sampled.any()), "the oracle drafts greedy requests only"
         cu, ks = batch.cu_seqlens.tolist(), num_drafts.tolist()
         tokens = torch.full((len(ks), max(ks, default=0)), -1, dtype=torch.int64)
@@ -89,3 +90,40 @@ class OracleDrafter:
                 true = seq[pos] if pos < len(seq) else 0
                 tokens[b, j] = (true + 1) % self.vocab_size if self.wrong(pos) else true
         return DraftOutput(tokens=tokens, probs=torch.zeros((0, self.vocab_size)))
+
+
+class TreeOracleDrafter(OracleDrafter):
+    """Like OracleDrafter, but a request asking for topk > 1 gets a tree whose true branch is
+    never the first: every node on the path has topk - 1 decoy children (leaves) before the
+    true one, so an accepted path is not stored contiguously and its KV has to move. Nodes in
+    depth-first order, cut at num_drafts[b]."""
+
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
+                sampling: RowSampling, topk=None, depth=None) -> DraftOutput:
+        chains = super().propose(batch, features, num_drafts, sampling)
+        if topk is None:
+            return chains
+        cu, ks = batch.cu_seqlens.tolist(), num_drafts.tolist()
+        tokens = torch.full((len(ks), max(ks, default=0)), -1, dtype=torch.int64)
+        parents = torch.full_like(tokens, -1)
+        tokens[:, :chains.tokens.shape[1]] = chains.tokens
+        parents[:, :chains.tokens.shape[1]] = torch.arange(chains.tokens.shape[1]) - 1
+        for b, (k, width, levels) in enumerate(zip(ks, topk.tolist(), depth.tolist())):
+            if width <= 1:
+                continue
+            end = int(batch.seq_lens[b])
+            seq = self._find(batch.input_ids[cu[b]:cu[b + 1]].tolist(), end)
+            nodes: list[tuple[int, int]] = []  # (token, parent)
+            parent = -1
+            for d in range(1, levels + 1):
+                pos = end + d
+                true = seq[pos] if pos < len(seq) else 0
+                nodes += [((true + 1 + c) % self.vocab_size, parent) for c in range(width - 1)]
+                token = (true + width + 7) % self.vocab_size if self.wrong(pos) else true
+                nodes.append((token, parent))
+                parent = len(nodes) - 1
+            nodes = nodes[:k]
+            tokens[b, :len(nodes)] = torch.tensor([t for t, _ in nodes])
+            parents[b, :len(nodes)] = torch.tensor([p for _, p in nodes])
+            tokens[b, len(nodes):] = parents[b, len(nodes):] = -1
+        return DraftOutput(tokens=tokens, probs=chains.probs, parents=parents)

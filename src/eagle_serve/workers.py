@@ -12,7 +12,7 @@ import random
 import torch
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.bls import batch_from_request, input_tensor, response_tensors
+from eagle_serve.bls import batch_from_request, input_tensor, optional_pair, response_tensors
 from eagle_serve.settings import read_settings
 
 
@@ -55,7 +55,8 @@ class TargetWorker(_Worker):
     def handle(self, pb, request) -> list:
         batch, sampling = batch_from_request(pb, request, self.device)
         rows = input_tensor(pb, request, "logit_rows").to(self.device)
-        out = self.model.forward(batch, rows, sampling)
+        moves = optional_pair(pb, request, ("kv_move_src", "kv_move_dst"), self.device)
+        out = self.model.forward(batch, rows, sampling, kv_moves=moves)
         return response_tensors(pb, {"hidden": out.hidden.float(), "argmax": out.argmax,
                                      "probs": out.probs.float()}, self.epoch)
 
@@ -79,5 +80,10 @@ class DrafterWorker(_Worker):
         batch, sampling = batch_from_request(pb, request, self.device)
         features = input_tensor(pb, request, "features").to(self.device)
         num_drafts = input_tensor(pb, request, "num_drafts").to(self.device)
-        out = self.drafter.propose(batch, features, num_drafts, sampling)
-        return response_tensors(pb, {"tokens": out.tokens, "probs": out.probs.float()}, self.epoch)
+        shape = optional_pair(pb, request, ("draft_topk", "draft_depth"), self.device)
+        topk, depth = shape if shape is not None else (None, None)
+        out = self.drafter.propose(batch, features, num_drafts, sampling, topk=topk, depth=depth)
+        named = {"tokens": out.tokens, "probs": out.probs.float()}
+        if topk is not None:
+            named["parents"] = out.parents
+        return response_tensors(pb, named, self.epoch)

@@ -123,3 +123,19 @@ def test_a_folder_without_weights_fails_with_a_clear_message(tmp_path, tiny_targ
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no model.safetensors or pytorch_model.bin"):
         load_head(tmp_path, tiny_target)
+
+
+def test_a_sampled_request_without_drafts_adds_no_draft_probabilities(tiny_target, eagle1_head):
+    from eagle_serve.interfaces import RowSampling
+    drafter = load_drafter(eagle1_head, tiny_target, dtype=torch.float64, num_pages=16, page_size=4)
+    seqs = [[5, 6, 7, 8], [9, 10, 11]]
+    short = ragged(seqs, PagePool(16, 4))  # pages 0, 1 / 2 ... then room for the drafts
+    batch = RaggedBatch(short.input_ids, short.positions, short.cu_seqlens, short.seq_lens,
+                        torch.tensor([[0, 2, 4], [1, 3, 5]]), short.slot_mapping)
+    features = torch.randn(7, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sampled = RowSampling(torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
+                          torch.tensor([1, 2]))
+    both = drafter.propose(batch, features, torch.tensor([0, 2]), sampled)
+    assert both.probs.shape[0] == 2  # only the second request's two drafts
+    alone = drafter.propose(batch, features, torch.tensor([2, 2]), sampled)
+    assert torch.equal(both.probs, alone.probs[2:])

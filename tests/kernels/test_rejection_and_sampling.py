@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from scipy.stats import chi2
 
-from kernels.rejection import greedy_accept_ref, random_accept_ref
+from kernels.rejection import greedy_accept_ref, greedy_tree_accept, random_accept_ref
 from kernels.sampling import DRAFT, compute_probs_ref, keyed_uniform, sample_ref
 
 ALPHA = 1e-6
@@ -29,6 +29,37 @@ def test_greedy_accepts_the_matching_prefix_then_the_targets_token():
     out, num = greedy_accept_ref(drafts, cu, argmax)
     assert num.tolist() == [3, 1, 4]
     assert out.tolist() == [[5, 6, 8, -1], [3, -1, -1, -1], [1, 2, 9, 11]]
+
+
+def test_greedy_tree_acceptance_follows_the_targets_argmax_down_a_hand_made_tree():
+    # request 0:  root -> n0 (5) -> n2 (7) -> n4 (9)
+    #                  -> n1 (6) -> n3 (8)
+    #                            -> n5 (3)
+    # the target: 6 after the root (-> n1), 3 after n1 (-> n5), 11 after n5 (bonus)
+    drafts = torch.tensor([5, 6, 7, 8, 9, 3,  1, 2])
+    parents = torch.tensor([-1, -1, 0, 1, 2, 1,  -1, -1])
+    cu = torch.tensor([0, 6, 6, 8])  # request 1 has no drafts; request 2: two depth-1 nodes
+    argmax = torch.tensor([6, 7, 3, 9, 1, 2, 11,  # r0: root, n0 .. n5
+                           4,                     # r1: root only
+                           2, 0, 5])              # r2: root picks n1 (2), then 5 at n1
+    out, num, path = greedy_tree_accept(drafts, parents, cu, argmax)
+    assert num.tolist() == [3, 1, 2]
+    assert out.tolist() == [[6, 3, 11, -1, -1, -1, -1], [4] + [-1] * 6, [2, 5] + [-1] * 5]
+    assert path.tolist() == [[1, 5, -1, -1, -1, -1], [-1] * 6, [1] + [-1] * 5]
+
+
+def test_greedy_tree_acceptance_of_chains_is_greedy_acceptance():
+    gen = torch.Generator().manual_seed(5)
+    ks = [0, 3, 1, 6, 4, 2]
+    cu = torch.tensor([0] + [sum(ks[:i + 1]) for i in range(len(ks))])
+    drafts = torch.randint(0, 3, (int(cu[-1]),), generator=gen)
+    parents = torch.cat([torch.arange(k) - 1 for k in ks])
+    argmax = torch.randint(0, 3, (int(cu[-1]) + len(ks),), generator=gen)
+    out, num, path = greedy_tree_accept(drafts, parents, cu, argmax)
+    ref_out, ref_num = greedy_accept_ref(drafts, cu, argmax)
+    assert torch.equal(num, ref_num) and torch.equal(out, ref_out)
+    for b, n in enumerate(num.tolist()):
+        assert path[b, :n - 1].tolist() == list(range(n - 1))
 
 
 def test_keyed_uniforms_depend_only_on_the_key():
