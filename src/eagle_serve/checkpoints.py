@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from eagle_serve.cpu_matmul import use_cpu_linears
 from eagle_serve.drafter import Drafter, DrafterSpec, EagleHead
 from eagle_serve.llama import eagle3_feature_layers
 
@@ -114,6 +115,8 @@ def load_head(folder: str | Path, target_dir: str | Path, dtype=torch.float32,
 def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.float32, device="cpu",
                  num_pages: int = 256, page_size: int = 16) -> Drafter:
     head = load_head(folder, target_dir, dtype, device)
+    if torch.device(device).type == "cpu":
+        use_cpu_linears(head)
     target_dir = Path(target_dir)
     embed = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])
     if embed is None:

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from eagle_serve.cpu_matmul import use_cpu_linears
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput
 from kernels.paged_attention import paged_attention, write_kv
 from kernels.sampling import compute_probs
@@ -67,6 +68,8 @@ class TargetModel:
                  num_pages: int = 256, page_size: int = 16,
                  feature_layers: tuple[int, ...] | None = None):
         self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        if self.hf.device.type == "cpu":
+            use_cpu_linears(self.hf)  # see cpu_matmul: MKL is slow for 2+ rows here
         self.config = cfg = self.hf.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype, self.device = dtype, torch.device(device)

@@ -27,6 +27,7 @@ def main(argv=None) -> None:
     c.add_argument("--out", type=Path, default=DEFAULT_CORPUS)
     c.add_argument("--max-tokens", type=int, default=128)
     c.add_argument("--batch", type=int, default=32)
+    c.add_argument("--shard-size", type=int, default=512, help="prompts per shard (x batch: fewer tail steps)")
     c.add_argument("--limit", type=int, default=None, help="at most this many new prompts")
     c.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train")
@@ -52,7 +53,8 @@ def main(argv=None) -> None:
         from eagle_serve.train.prompts import build_prompts
         prompts = build_prompts(args.seed, HELDOUT)
         n = generate_corpus(args.out, paths.resolve_model_path(args.target), prompts,
-                            max_tokens=args.max_tokens, batch=args.batch, limit=args.limit)
+                            max_tokens=args.max_tokens, batch=args.batch,
+                            shard_size=args.shard_size, limit=args.limit)
         print(f"corpus: {n} new answers in {args.out}")
     elif args.command == "train":
         train(args)
