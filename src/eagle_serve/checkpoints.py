@@ -147,7 +147,9 @@ def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",
     config = head.spec.config.to_dict()
     config.update(architectures=["LlamaForCausalLMEagle3" if head.version == 3 else "LlamaForCausalLM"],
                   num_hidden_layers=1, target_hidden_size=head.spec.target_hidden_size,
-                  **({"draft_vocab_size": head.spec.draft_vocab_size} if head.version == 3 else {}),
+                  **({"draft_vocab_size": head.spec.draft_vocab_size,
+                      "eagle_aux_hidden_state_layer_ids": list(head.spec.feature_layers)}
+                     if head.version == 3 else {}),
                   **(extra_config or {}))
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
     if fmt == "safetensors":
@@ -168,11 +170,14 @@ def head_config(target_config: LlamaConfig, draft_vocab_size: int | None = None)
 
 
 def random_head(target_config: LlamaConfig, version: int, draft_vocab_size: int | None = None,
-                fc_bias: bool = False, seed: int = 0, d2t: torch.Tensor | None = None) -> EagleHead:
-    """A seeded random head (tests, and the placeholder drafter before training)."""
+                fc_bias: bool = False, seed: int = 0, d2t: torch.Tensor | None = None,
+                feature_layers: tuple[int, ...] | None = None) -> EagleHead:
+    """A seeded random head (tests, and the placeholder drafter before training).
+    feature_layers: the target layers (inputs of) an EAGLE-3 head fuses; default 2, L//2, L-3."""
     torch.manual_seed(seed)
     vocab = draft_vocab_size or target_config.vocab_size
-    layers = eagle3_feature_layers(target_config.num_hidden_layers) if version == 3 else None
+    layers = (tuple(feature_layers) if feature_layers else
+              eagle3_feature_layers(target_config.num_hidden_layers)) if version == 3 else None
     spec = DrafterSpec(version=version, config=head_config(target_config, vocab if version == 3 else None),
                        target_hidden_size=target_config.hidden_size,
                        draft_vocab_size=vocab if version == 3 else target_config.vocab_size,

@@ -1,6 +1,7 @@
 """Drafter training: the unrolled objective sees what drafting sees; a few steps learn."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from eagle_serve.checkpoints import load_drafter, random_head
@@ -8,7 +9,7 @@ from eagle_serve.engine import SamplingParams
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.llama import TargetModel
 from eagle_serve.local import build_local_engine
-from eagle_serve.train.trainer import TrainConfig, Trainer, _prefill_batch, unrolled_hidden
+from eagle_serve.train.trainer import TrainConfig, Trainer, _prefill_batch, compute_features, unrolled_hidden
 
 
 @torch.inference_mode()
@@ -43,8 +44,11 @@ def test_unrolled_training_steps_equal_drafting_steps_at_inference(tiny_target, 
 
 
 def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_target, prompts, hf_greedy):
+    """Also with feature layers other than EAGLE-3's default (2, L//2, L-3) = (2, 2, 1) here:
+    the checkpoint records them and the engine's target captures those layers."""
     rows = [{"prompt": str(i), "prompt_ids": p, "output_ids": hf_greedy(p, 24)} for i, p in enumerate(prompts)]
-    cfg = TrainConfig(draft_vocab_size=256, steps=40, tokens_per_batch=96, lr=3e-3, warmup=5, save_every=20)
+    cfg = TrainConfig(draft_vocab_size=256, steps=40, tokens_per_batch=96, lr=3e-3, warmup=5, save_every=20,
+                      feature_layers=(1, 2, 3))
     trainer = Trainer(rows, tiny_target, tmp_path / "work", cfg)
     assert trainer.coverage == 1.0  # 8 x 24 answer tokens fit in 256 draft ids
     trainer.train()
@@ -53,9 +57,25 @@ def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_
     out = trainer.export(tmp_path / "head", {"smoke": True})
     drafter = load_drafter(out, tiny_target)
     assert drafter.head.version == 3 and drafter.head.spec.draft_vocab_size == 256
+    assert drafter.feature_layers == (1, 2, 3)
     resumed = Trainer(rows, tiny_target, tmp_path / "work", cfg)  # checkpoint picked up
     assert resumed.step == 40
     engine = build_local_engine(tiny_target, out, dtype="float64", eos_token_ids=())
     results = engine.generate(prompts[:2], SamplingParams(max_tokens=24, num_speculative_tokens=3))
     assert [r.token_ids for r in results] == [hf_greedy(p, 24) for p in prompts[:2]]
     assert engine.stats.accepted_tokens > 0  # it learned something its target says
+
+
+def test_features_of_a_grown_corpus_extend_the_cache_and_equal_a_fresh_pass(tmp_path, tiny_target, prompts):
+    seqs = [(p + p[:5], len(p)) for p in prompts]
+    grown = compute_features(seqs[:3], tiny_target, tmp_path / "cache")
+    assert grown.shape[0] == sum(len(s) for s, _ in seqs[:3])
+    before = (tmp_path / "cache" / "features.f16").stat().st_mtime_ns
+    extended = np.asarray(compute_features(seqs, tiny_target, tmp_path / "cache"), dtype=np.float32)
+    fresh = np.asarray(compute_features(seqs, tiny_target, tmp_path / "fresh"), dtype=np.float32)
+    np.testing.assert_allclose(extended, fresh, rtol=1e-2, atol=1e-2)
+    assert (tmp_path / "cache" / "features.f16").stat().st_mtime_ns != before
+    again = compute_features(seqs, tiny_target, tmp_path / "cache")  # cached: read, not redone
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(compute_features(seqs, tiny_target, tmp_path / "cache")))
+    other = compute_features(seqs[1:], tiny_target, tmp_path / "cache")  # not a prefix: redone
+    np.testing.assert_allclose(np.asarray(other, dtype=np.float32), fresh[len(seqs[0][0]):], rtol=1e-2, atol=1e-2)

@@ -41,6 +41,8 @@ def main(argv=None) -> None:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--tokens-per-batch", type=int, default=2048)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--feature-layers", type=int, nargs=3, default=None,
+                   help="target layers whose inputs the head fuses (default 2, L//2, L-3)")
     e = sub.add_parser("eval")
     e.add_argument("--target", default="default")
     e.add_argument("--head", type=Path, default=paths.REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct")
@@ -71,7 +73,8 @@ def train(args) -> None:
 
     rows = read_corpus(args.corpus)
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, unroll=args.unroll, lr=args.lr,
-                      steps=args.steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed)
+                      steps=args.steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed,
+                      feature_layers=tuple(args.feature_layers) if args.feature_layers else None)
     start = time.time()
     trainer = Trainer(rows, paths.resolve_model_path(args.target), args.work, cfg)
     print(f"corpus: {len(rows)} answers; draft vocabulary {cfg.draft_vocab_size} covers "

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import Counter
@@ -46,6 +47,7 @@ class TrainConfig:
     noise: float = 0.05               # uniform feature noise, relative to feature std
     save_every: int = 100
     seed: int = 0
+    feature_layers: tuple[int, ...] | None = None  # inputs of these target layers; None = 2, L//2, L-3
 
 
 # ---- data ----
@@ -66,22 +68,40 @@ def draft_vocab(rows: list[dict], size: int, vocab_size: int) -> tuple[torch.Ten
     return ids - torch.arange(size), covered
 
 
-def compute_features(seqs, target_dir: Path, cache: Path, batch_tokens: int = 4096) -> np.memmap:
-    """Teacher-forced target pass; -> memmap [total_tokens, 3H] fp16 (rows in sequence order)."""
+def _digest(seqs) -> str:
+    h = hashlib.sha1()
+    for s, plen in seqs:
+        h.update(np.asarray(s + [plen, -1], dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...] | None = None,
+                     batch_tokens: int = 4096) -> np.memmap:
+    """Teacher-forced target pass; -> memmap [total_tokens, 3H] fp16 (rows in sequence order).
+    A cache made for a prefix of `seqs` (the corpus before it grew) is extended, not redone."""
     cache.mkdir(parents=True, exist_ok=True)
     total = sum(len(s) for s, _ in seqs)
     meta = cache / "features.json"
     tconf = LlamaConfig.from_pretrained(str(target_dir))
-    layers = eagle3_feature_layers(tconf.num_hidden_layers)
+    layers = tuple(layers or eagle3_feature_layers(tconf.num_hidden_layers))
     width = 3 * tconf.hidden_size
     path = cache / "features.f16"
-    if meta.exists() and json.loads(meta.read_text()) == {"tokens": total, "width": width}:
+    key = {"tokens": total, "width": width, "layers": list(layers), "rows": len(seqs),
+           "digest": _digest(seqs)}
+    old = json.loads(meta.read_text()) if meta.exists() else {}
+    if old == key:
         return np.memmap(path, dtype=np.float16, mode="r", shape=(total, width))
+    done = old.get("rows", 0) if (
+        {k: old.get(k) for k in ("width", "layers")} == {"width": width, "layers": list(layers)}
+        and 0 < old.get("rows", 0) <= len(seqs) and old.get("digest") == _digest(seqs[:old["rows"]])) else 0
+    store = np.memmap(path.with_suffix(".tmp"), dtype=np.float16, mode="w+", shape=(total, width))
+    offset = sum(len(s) for s, _ in seqs[:done])
+    if done:
+        store[:offset] = np.memmap(path, dtype=np.float16, mode="r", shape=(offset, width))
     target = TargetModel(target_dir, num_pages=batch_tokens // 16 + 64, page_size=16,
                          feature_layers=layers)
-    store = np.memmap(path, dtype=np.float16, mode="w+", shape=(total, width))
-    offset, i = 0, 0
-    bar = tqdm(total=total, desc="target features", unit="tok")
+    i = done
+    bar = tqdm(total=total, initial=offset, desc="target features", unit="tok")
     while i < len(seqs):
         group = []
         while i < len(seqs) and (not group or sum(len(s) for s, _ in group) + len(seqs[i][0]) <= batch_tokens):
@@ -95,7 +115,9 @@ def compute_features(seqs, target_dir: Path, cache: Path, batch_tokens: int = 40
         bar.update(n)
     bar.close()
     store.flush()
-    meta.write_text(json.dumps({"tokens": total, "width": width}))
+    del store
+    path.with_suffix(".tmp").rename(path)
+    meta.write_text(json.dumps(key))
     return np.memmap(path, dtype=np.float16, mode="r", shape=(total, width))
 
 
@@ -204,12 +226,13 @@ class Trainer:
         d2t, self.coverage = draft_vocab(rows, cfg.draft_vocab_size, tconf.vocab_size)
         self.t2d = torch.full((tconf.vocab_size,), -1, dtype=torch.int64)
         self.t2d[torch.arange(cfg.draft_vocab_size) + d2t] = torch.arange(cfg.draft_vocab_size)
-        self.features = compute_features(self.seqs, target_dir, self.work / "features")
+        self.features = compute_features(self.seqs, target_dir, self.work / "features", cfg.feature_layers)
         self.feat_std = float(np.asarray(self.features[:20000], dtype=np.float32).std())
         target = TargetModel(target_dir, num_pages=1, page_size=16)
         self.embed = target.embed_tokens.weight.detach()
-        self.head = random_head(tconf, 3, cfg.draft_vocab_size, seed=cfg.seed, d2t=d2t)
-        with torch.no_grad():  # start from the target: LM head rows, fc passing layer L-3 through
+        self.head = random_head(tconf, 3, cfg.draft_vocab_size, seed=cfg.seed, d2t=d2t,
+                                feature_layers=cfg.feature_layers)
+        with torch.no_grad():  # start from the target: LM head rows, fc passing the last feature through
             self.head.lm_head.weight.copy_(target.lm_head.weight[torch.arange(cfg.draft_vocab_size) + d2t])
             h = tconf.hidden_size
             self.head.fc.weight.zero_()
