@@ -79,6 +79,53 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.transpose(1, 2)[q_valid]  # [T, Hq, D]
 
 
+ROWWISE_MAX_QUERIES = 16  # requests with more new tokens (prefill) take the batched reference
+
+
+def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float,
+                            tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """As paged_attention_ref, but each decode/verify query attends alone, unmasked, over
+    exactly the keys it sees (its context, then its ancestors in depth order for a tree).
+
+    SDPA's result for a query depends on the other queries and masked keys of its call (measured
+    on CPU: 36/40 fp32 and 8/40 bf16 results change when masked keys are appended), so a batched
+    verify pass would not reproduce the one-token decode step bitwise. Here the query of a
+    verified position gets exactly the call a one-token decode step at that position makes, and
+    the result does not depend on the batch. Requests with more than ROWWISE_MAX_QUERIES new
+    tokens (prefill) go through the batched reference on their own. Shapes as paged_attention_ref.
+    """
+    page_size, kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, ctx_len in enumerate(lens):
+        start, n = cu[b], cu[b + 1] - cu[b]
+        if n == 0:
+            continue
+        if n > ROWWISE_MAX_QUERIES:
+            mask = None if tree_mask is None else tree_mask[b:b + 1]
+            out[start:start + n] = paged_attention_ref(
+                q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
+                cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask)
+            continue
+        pages = block_tables[b, :-(-ctx_len // page_size)]
+        keys = k_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len]  # [C, Hkv, D]
+        values = v_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len]
+        prefix = ctx_len - n
+        for i in range(n):
+            if tree_mask is None:
+                k, v = keys[:prefix + i + 1], values[:prefix + i + 1]  # [L, Hkv, D]
+            else:
+                seen = prefix + tree_mask[b, i, :i + 1].nonzero().squeeze(1)  # ancestors, self
+                k = torch.cat([keys[:prefix], keys[seen]])
+                v = torch.cat([values[:prefix], values[seen]])
+            out[start + i] = F.scaled_dot_product_attention(
+                q[start + i].unsqueeze(1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                v.transpose(0, 1).unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=True)[0, :, 0]
+    return out
+
+
 def _tree_visible(tree_mask: torch.Tensor, n_q: torch.Tensor, seq_lens: torch.Tensor,
                   max_q: int, max_ctx: int) -> torch.Tensor:
     """-> [B, Q, C] bool: key c is context, or a new token the tree lets query i see."""
@@ -99,10 +146,14 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, impl: str | None = None):
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                     impl: str | None = None, tree_mask=None):
-    """Dispatch on q's device (impl as in kernels/__init__.py)."""
+    """Dispatch on q's device (impl as in kernels/__init__.py); CPU tensors in bf16/fp16 take
+    the row-invariant path (their linears are row-invariant too: see eagle_serve.cpu_matmul)."""
     if use_kernel(impl, q):
         return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                       scale, tree_mask)
+    if impl is None and q.dtype in (torch.bfloat16, torch.float16):
+        return paged_attention_rowwise(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                       scale, tree_mask)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                tree_mask)
 

@@ -1,17 +1,24 @@
 """Linear layers for the small row counts of decoding and verification on CPU.
 
-Measured on this machine kind (AMD EPYC, 2 threads, fp32, SmolLM2-135M;
-`python -m eagle_serve.cpu_matmul`): torch's default fp32 GEMM (MKL) makes the target forward
-for 2 new tokens cost 1.72x one token, 3 tokens 1.80x, 5 tokens 1.40x, and its LM head
-(49152 x 576) 2-3x more for 2-8 rows than for 1; the verify pass of speculative decoding feeds
-exactly k + 1 = 2..9 rows per request. oneDNN's fp32 GEMM (what
-`torch.utils.mkldnn.MkldnnLinear` runs) grows gently with rows, and for a single row a GEMV
-over the transposed weight is fastest. `CpuLinear` keeps the weight transposed ([in, out]) for
-1 row and an oneDNN copy for 2+ rows (fp32 only; other dtypes use the transposed weight for
-every row count): one token 50.6 -> 44.8 ms, and 2 / 3 / 5 / 8 tokens 1.32x / 1.13x / 1.29x /
-1.25x of one (noisy machine). Outputs equal nn.Linear's up to float rounding (the kernels sum
-in different orders). The price is a second copy of each weight in memory (~0.5 GB here).
-GPU modules are left alone.
+Measured on this machine kind (AMD EPYC, 2 threads, fp32, the 211 linears of SmolLM2-135M
+incl. its 49152 x 576 LM head; `python -m eagle_serve.cpu_matmul`): torch's default fp32 GEMM
+(MKL, what nn.Linear runs) takes ~33 ms for 1 row and 50-63 ms for 2-3 rows, and the verify
+pass of speculative decoding feeds exactly k + 1 = 2..9 rows per request. oneDNN's fp32 inner
+product called on dense tensors (`torch.ops.mkldnn._linear_pointwise`, the op torch.compile's
+CPU backend emits for linears) takes ~19.5 ms for 1 row and ~22.5 ms for 3 (a GEMV over the
+transposed weight: 26 / 49 ms; oneDNN through `to_mkldnn()` tensors: 23 / 25.5 ms, of which the
+layout conversions of the activations cost ~5 ms per forward). `CpuLinear` runs that op for
+fp32 and bf16 (other dtypes, e.g. the float64 of the exactness tests, fall back to
+nn.functional.linear). Outputs equal nn.Linear's up to float rounding. GPU modules are left alone.
+
+bf16 (`python -m eagle_serve.cpu_matmul`; this CPU has avx512_bf16): the same linears take
+~15-17 ms for any row count from 1 to 8, so verifying k drafts costs what one token costs. The
+bf16 inner product is row-invariant (a row's result does not depend on the other rows) for 2+
+rows, but a single row takes another kernel whose sums differ (measured: 1-5 of 9 rows differ
+with the target's down_proj, 0 of 300 once padded), so `CpuLinear` pads a single bf16 row with a
+zero row: free here, and with the row-invariant attention of kernels.paged_attention a verify
+pass reproduces one-token decoding bitwise. fp32 is not row-invariant, and padding would cost
+~20% of a decode step, so fp32 keeps the statistical exactness of float rounding.
 """
 from __future__ import annotations
 
@@ -21,42 +28,47 @@ import torch
 from torch import nn
 
 
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): then bf16 is the faster
+    CPU dtype (see above); elsewhere oneDNN emulates it and fp32 is faster."""
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def _onednn_ok() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 class CpuLinear(nn.Module):
     """Inference-only drop-in for an nn.Linear on CPU: x [..., in] -> [..., out]."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [in, out]
+        self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)  # [out, in]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.onednn = None  # [out, in] oneDNN layout, fp32 only (not a parameter: never saved)
-        if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self.onednn = weight.contiguous().to_mkldnn()
-            self.onednn_bias = None if self.bias is None else self.bias.detach().to_mkldnn()
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """[out, in] view, as nn.Linear's (for code that reads the weight)"""
-        return self.weight_t.t()
+        self.onednn = self.weight.dtype in ONEDNN_DTYPES and _onednn_ok()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = lead.numel()
-        x2 = x.reshape(rows, self.in_features)
-        if rows > 1 and self.onednn is not None and x.dtype == torch.float32:
-            out = torch._C._nn.mkldnn_linear(x2.to_mkldnn(), self.onednn, self.onednn_bias).to_dense()
-        elif self.bias is None:
-            out = torch.mm(x2, self.weight_t)
-        else:
-            out = torch.addmm(self.bias, x2, self.weight_t)
-        return out.view(*lead, self.out_features)
+        if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):
+            return nn.functional.linear(x, self.weight, self.bias)
+        if x.dtype == torch.bfloat16 and x.shape[:-1].numel() == 1:  # the row-invariant kernel
+            padded = torch.cat([x.reshape(1, -1), x.new_zeros(1, self.in_features)])
+            out = torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")
+            return out[:1].view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:
     """Replace every CPU nn.Linear inside `model` by a CpuLinear (in place) -> model.
 
-    Tied weights (an LM head sharing the embedding) get their own copies."""
+    Tied weights (an LM head sharing the embedding) stay shared: no weight is copied."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
@@ -71,12 +83,13 @@ def _bench(hidden: int = 576, inter: int = 1536, vocab: int = 49152, layers: int
               (inter, hidden), (inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
     plain = [nn.Linear(i, o, bias=False) for o, i in shapes]
     ours = [CpuLinear(m) for m in plain]
-    print("rows  nn.Linear ms  CpuLinear ms")
+    ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
+    print("rows  nn.Linear ms  CpuLinear ms  CpuLinear bf16 ms")
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 8, 16):
-            xs = {i: torch.randn(rows, i) for i in (hidden, inter)}
             times = []
-            for mods in (plain, ours):
+            for mods, dtype in ((plain, torch.float32), (ours, torch.float32), (ours_bf16, torch.bfloat16)):
+                xs = {i: torch.randn(rows, i, dtype=dtype) for i in (hidden, inter)}
                 runs = []
                 for _ in range(repeats):
                     start = time.perf_counter()
@@ -84,7 +97,7 @@ def _bench(hidden: int = 576, inter: int = 1536, vocab: int = 49152, layers: int
                         m(xs[m.in_features])
                     runs.append(time.perf_counter() - start)
                 times.append(sorted(runs)[repeats // 2] * 1e3)
-            print(f"{rows:4d}  {times[0]:12.1f}  {times[1]:12.1f}", flush=True)
+            print(f"{rows:4d}  {times[0]:12.1f}  {times[1]:12.1f}  {times[2]:17.1f}", flush=True)
 
 
 def _bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:

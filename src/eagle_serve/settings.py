@@ -17,7 +17,8 @@ from eagle_serve.engine import EngineConfig
 class ServingSettings:
     target_model: str = "default"              # HF folder; "default" = SmolLM2-135M-Instruct
     drafter_model: str = "default-drafter"     # EAGLE head folder; "none" = no drafter
-    dtype: str = "auto"                        # auto = float32 on CPU, bfloat16 on GPU
+    dtype: str = "auto"                        # auto = bfloat16 on GPU and on CPUs with
+    #                                            native bf16 (AVX512-BF16/AMX), else float32
     page_size: int = 16
     num_target_pages: int = 512                # KV pages of the target (x page_size positions)
     num_drafter_pages: int = 512
@@ -59,7 +60,8 @@ class ServingSettings:
         names = {"float32": torch.float32, "float64": torch.float64,
                  "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype == "auto":
-            return torch.bfloat16 if on_gpu else torch.float32
+            from eagle_serve.cpu_matmul import native_bf16
+            return torch.bfloat16 if on_gpu or native_bf16() else torch.float32
         return names[self.dtype]
 
     def apply_threads(self, role: str) -> None:

@@ -1,4 +1,4 @@
-"""CPU linears (GEMV for 1 row, oneDNN for more) compute what nn.Linear computes."""
+"""CPU linears (oneDNN inner products on dense tensors) compute what nn.Linear computes."""
 from __future__ import annotations
 
 import pytest
@@ -12,12 +12,12 @@ from eagle_serve.llama import TargetModel
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_cpu_linear_matches_nn_linear_for_one_to_nine_rows(dtype, tol, bias):
+def test_a_cpu_linear_matches_nn_linear_for_zero_to_nine_rows(dtype, tol, bias):
     torch.manual_seed(0)
     linear = nn.Linear(24, 40, bias=bias).to(dtype)
     ours = CpuLinear(linear)
     with torch.inference_mode():
-        for rows in range(1, 10):
+        for rows in range(0, 10):
             x = torch.randn(rows, 24, dtype=dtype)
             out = ours(x)
             assert out.shape == (rows, 40) and out.dtype == dtype
@@ -25,7 +25,8 @@ def test_a_cpu_linear_matches_nn_linear_for_one_to_nine_rows(dtype, tol, bias):
         x = torch.randn(2, 3, 24, dtype=dtype)  # leading dims are kept
         torch.testing.assert_close(ours(x), linear(x), rtol=tol, atol=tol)
     assert torch.equal(ours.weight, linear.weight)
-    assert (ours.onednn is not None) == (dtype == torch.float32)
+    assert ours.onednn == (dtype == torch.float32)
+    assert ours.weight.data_ptr() == linear.weight.data_ptr()  # no copy
 
 
 def test_the_cpu_target_and_drafter_run_cpu_linears_only(tiny_target, eagle3_head):

@@ -58,3 +58,26 @@ def test_oracle_drafts_are_mostly_accepted_and_output_stays_exact(tiny_target, p
     assert s.accepted_tokens / s.draft_tokens >= 0.5
     assert max(r.acceptance_length for r in results) > 1.5  # multi-token rounds really ran
     assert engine.idle_counts()["target_pages_free"] == 256
+
+
+@pytest.mark.parametrize("shape", [dict(num_speculative_tokens=2), dict(num_speculative_tokens=5),
+                                   dict(num_speculative_tokens=6, draft_topk=2, draft_depth=3)])
+@pytest.mark.parametrize("max_running", [1, 3])
+def test_bf16_verify_passes_reproduce_one_token_decoding_bitwise(tiny_target, eagle3_head, prompts,
+                                                                 shape, max_running):
+    """bf16 CPU linears (padded single rows) and attention (one query at a time) are
+    row-invariant, so bf16 speculative decoding is exactly bf16 plain decoding (one request at a
+    time), in any batch, for chains and trees."""
+    def run(head, **params):
+        engine = build_local_engine(tiny_target, head, dtype="bfloat16", eos_token_ids=(),
+                                    max_running=max_running if head else 1)
+        return engine, [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **params))]
+
+    _, plain = run(None, num_speculative_tokens=0)
+    engine, spec = run(eagle3_head, **shape)
+    assert spec == plain
+    oracle_engine, _ = run(None, num_speculative_tokens=0)
+    oracle_engine.drafter = OracleDrafter([p + e for p, e in zip(prompts, plain)], oracle_engine.target.vocab_size)
+    results = oracle_engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **shape))
+    assert [r.token_ids for r in results] == plain
+    assert max(r.acceptance_length for r in results) > 1.5  # multi-token verify passes ran

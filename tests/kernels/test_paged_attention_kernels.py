@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from kernels.paged_attention import (paged_attention, paged_attention_ref, paged_attention_rowwise,
+                                     write_kv, write_kv_ref)
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 40
 
@@ -123,3 +124,43 @@ def test_kv_write_then_attention_uses_what_was_written():
     weights = torch.softmax(torch.einsum("hd,shd->hs", q[0], k.repeat_interleave(3, 1)) * 0.5, 1)
     expected = torch.einsum("hs,shd->hd", weights, v.repeat_interleave(3, 1))
     torch.testing.assert_close(out[0], expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_row_invariant_attention_matches_the_reference(name):
+    batch = make_batch(*BATCHES[name], page_size=5)
+    scale = HEAD_DIM ** -0.5
+    torch.testing.assert_close(paged_attention_rowwise(*batch, scale), paged_attention_ref(*batch, scale),
+                               atol=2e-5, rtol=2e-5)
+    n_q, seq_lens = [7, 1, 5, 0, 3], [30, 9, 5, 4, 13]
+    batch = make_batch(n_q, seq_lens, page_size=5, seed=1)
+    tree = tree_masks(n_q)
+    torch.testing.assert_close(paged_attention_rowwise(*batch, scale, tree_mask=tree),
+                               paged_attention_ref(*batch, scale, tree_mask=tree), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(dtype):
+    """Each query of a verify pass (a chain, or a tree path) gets exactly the result a decode
+    step at its position would, whatever else is in the batch."""
+    n_q, seq_lens = [4, 1, 7], [23, 9, 30]
+    q, k_cache, v_cache, tables, cu, lens = make_batch(n_q, seq_lens, page_size=5, seed=2)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    tree = tree_masks(n_q)
+    tree[0] = torch.tril(torch.ones(8, 8, dtype=torch.bool))  # request 0: a chain
+    out = paged_attention_rowwise(q, k_cache, v_cache, tables, cu, lens, 0.2, tree_mask=tree)
+    # Request 2's node 5 (path 0 -> 1 -> 3 -> 5) decoded alone: its path moved to contiguous
+    # slots after the context, as acceptance would leave it.
+    prefix, path = 30 - 7, [0, 1, 3, 5]
+    flat_k, flat_v = (c.view(-1, KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
+    slots = [int(tables[2, p // 5]) * 5 + p % 5 for p in range(30)]
+    k2, v2 = flat_k.clone(), flat_v.clone()
+    for depth, node in enumerate(path):
+        k2[slots[prefix + depth]], v2[slots[prefix + depth]] = flat_k[slots[prefix + node]], flat_v[slots[prefix + node]]
+    alone = paged_attention_rowwise(q[cu[2] + 5:cu[2] + 6], k2.view_as(k_cache), v2.view_as(v_cache),
+                                    tables[2:3], torch.tensor([0, 1]), torch.tensor([prefix + len(path)]), 0.2)
+    assert torch.equal(alone[0], out[cu[2] + 5])
+    # Request 0's query 2 decoded alone at its position.
+    alone = paged_attention_rowwise(q[2:3], k_cache, v_cache, tables[:1], torch.tensor([0, 1]),
+                                    torch.tensor([23 - 4 + 3]), 0.2)
+    assert torch.equal(alone[0], out[2])
