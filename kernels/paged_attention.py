@@ -89,40 +89,53 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """As paged_attention_ref, but each decode/verify query attends alone, unmasked, over
     exactly the keys it sees (its context, then its ancestors in depth order for a tree).
 
-    SDPA's result for a query depends on the other queries and masked keys of its call (measured
-    on CPU: 36/40 fp32 and 8/40 bf16 results change when masked keys are appended), so a batched
-    verify pass would not reproduce the one-token decode step bitwise. Here the query of a
-    verified position gets exactly the call a one-token decode step at that position makes, and
-    the result does not depend on the batch. Requests with more than ROWWISE_MAX_QUERIES new
-    tokens (prefill) go through the batched reference on their own. Shapes as paged_attention_ref.
+    A batched call's result for a query depends on the other queries and masked keys of the call
+    (measured on CPU with SDPA: 36/40 fp32 and 8/40 bf16 results change when masked keys are
+    appended), so a batched verify pass would not reproduce the one-token decode step bitwise.
+    Here the query of a verified position gets exactly the computation a one-token decode step
+    at that position makes (same shapes, same layout), so the result does not depend on the
+    batch. The math runs in fp32 on one thread: two small matmuls and a softmax per query cost
+    ~26 us against ~90 us for SDPA on one query (and small ops lose time to a second thread).
+    Requests with more than ROWWISE_MAX_QUERIES new tokens (prefill) go through the batched
+    reference on their own. Shapes as paged_attention_ref.
     """
     page_size, kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    for b, ctx_len in enumerate(lens):
-        start, n = cu[b], cu[b + 1] - cu[b]
-        if n == 0:
-            continue
-        if n > ROWWISE_MAX_QUERIES:
-            mask = None if tree_mask is None else tree_mask[b:b + 1]
-            out[start:start + n] = paged_attention_ref(
-                q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
-                cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask)
-            continue
-        pages = block_tables[b, :-(-ctx_len // page_size)]
-        keys = k_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len]  # [C, Hkv, D]
-        values = v_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len]
-        prefix = ctx_len - n
-        for i in range(n):
-            if tree_mask is None:
-                k, v = keys[:prefix + i + 1], values[:prefix + i + 1]  # [L, Hkv, D]
-            else:
-                seen = prefix + tree_mask[b, i, :i + 1].nonzero().squeeze(1)  # ancestors, self
-                k = torch.cat([keys[:prefix], keys[seen]])
-                v = torch.cat([values[:prefix], values[seen]])
-            out[start + i] = F.scaled_dot_product_attention(
-                q[start + i].unsqueeze(1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                v.transpose(0, 1).unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=True)[0, :, 0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q32 = q.float().view(q.shape[0], kv_heads, -1, head_dim)  # [T, Hkv, G, D]
+        for b, ctx_len in enumerate(lens):
+            start, n = cu[b], cu[b + 1] - cu[b]
+            if n == 0:
+                continue
+            if n > ROWWISE_MAX_QUERIES:
+                mask = None if tree_mask is None else tree_mask[b:b + 1]
+                out[start:start + n] = paged_attention_ref(
+                    q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
+                    cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask)
+                continue
+            pages = block_tables[b, :-(-ctx_len // page_size)]
+            keys = k_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len].float()  # [C, Hkv, D]
+            values = v_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len].float()
+            prefix = ctx_len - n
+            seen = None if tree_mask is None else tree_mask[b, :n, :n].tolist()
+            if seen is not None:  # [context, ancestors and self]: same layout as the chain views
+                k_buf, v_buf = keys.clone(), values.clone()
+            for i in range(n):
+                if seen is None:
+                    k, v = keys[:prefix + i + 1], values[:prefix + i + 1]  # [L, Hkv, D]
+                else:
+                    path = [prefix + j for j in range(i + 1) if seen[i][j]]
+                    k, v = k_buf[:prefix + len(path)], v_buf[:prefix + len(path)]
+                    k[prefix:] = keys[path]
+                    v[prefix:] = values[path]
+                scores = torch.matmul(q32[start + i], k.permute(1, 2, 0))  # [Hkv, G, L]
+                probs = torch.softmax(scores * scale, dim=-1)
+                out[start + i] = torch.matmul(probs, v.transpose(0, 1)).view(-1, head_dim)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

@@ -275,7 +275,7 @@ class Drafter:
 
     def _sample(self, logits: torch.Tensor, s: RowSampling, positions: list[int]):
         """-> target ids [R], target-vocabulary q [R, V] (None if all greedy)"""
-        draft_ids = logits.argmax(dim=-1)
+        draft_ids = logits.float().argmax(dim=-1)  # bf16 argmax is slow on CPU
         if not bool(s.sampled.any()):
             return self.to_target_ids(draft_ids), None
         rows = s.sampled.nonzero().squeeze(1)

@@ -126,7 +126,8 @@ class TargetModel:
             rows = sampled.nonzero().squeeze(1)
             s = sampling.select(rows)
             probs = compute_probs(logits[rows], s.temperature, s.top_k, s.top_p)
-        return TargetOutput(hidden=features, argmax=logits.argmax(dim=-1), probs=probs)
+        # argmax of bf16 rows on CPU takes ~160 us per 49k-wide row, of fp32 ~35 us (same result)
+        return TargetOutput(hidden=features, argmax=logits.float().argmax(dim=-1), probs=probs)
 
     @torch.inference_mode()
     def logits(self, batch: RaggedBatch, logit_rows: torch.Tensor) -> torch.Tensor:
