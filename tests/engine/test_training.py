@@ -68,14 +68,50 @@ def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_
 
 def test_features_of_a_grown_corpus_extend_the_cache_and_equal_a_fresh_pass(tmp_path, tiny_target, prompts):
     seqs = [(p + p[:5], len(p)) for p in prompts]
-    grown = compute_features(seqs[:3], tiny_target, tmp_path / "cache")
-    assert grown.shape[0] == sum(len(s) for s, _ in seqs[:3])
+    grown, grown_labels = compute_features(seqs[:3], tiny_target, tmp_path / "cache")
+    assert grown.shape[0] == grown_labels.shape[0] == sum(len(s) for s, _ in seqs[:3])
     before = (tmp_path / "cache" / "features.f16").stat().st_mtime_ns
-    extended = np.asarray(compute_features(seqs, tiny_target, tmp_path / "cache"), dtype=np.float32)
-    fresh = np.asarray(compute_features(seqs, tiny_target, tmp_path / "fresh"), dtype=np.float32)
-    np.testing.assert_allclose(extended, fresh, rtol=1e-2, atol=1e-2)
+    extended, ext_labels = compute_features(seqs, tiny_target, tmp_path / "cache")
+    fresh, fresh_labels = compute_features(seqs, tiny_target, tmp_path / "fresh")
+    fresh = np.asarray(fresh, dtype=np.float32)
+    np.testing.assert_allclose(np.asarray(extended, dtype=np.float32), fresh, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(ext_labels), np.asarray(fresh_labels))
     assert (tmp_path / "cache" / "features.f16").stat().st_mtime_ns != before
-    again = compute_features(seqs, tiny_target, tmp_path / "cache")  # cached: read, not redone
-    np.testing.assert_array_equal(np.asarray(again), np.asarray(compute_features(seqs, tiny_target, tmp_path / "cache")))
-    other = compute_features(seqs[1:], tiny_target, tmp_path / "cache")  # not a prefix: redone
+    again, _ = compute_features(seqs, tiny_target, tmp_path / "cache")  # cached: read, not redone
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(compute_features(seqs, tiny_target, tmp_path / "cache")[0]))
+    other, _ = compute_features(seqs[1:], tiny_target, tmp_path / "cache")  # not a prefix: redone
     np.testing.assert_allclose(np.asarray(other, dtype=np.float32), fresh[len(seqs[0][0]):], rtol=1e-2, atol=1e-2)
+
+
+def test_labels_are_the_targets_argmax_so_sampled_answers_teach_what_the_target_would_say(
+        tmp_path, tiny_target, prompts, hf_greedy):
+    greedy = [(p + hf_greedy(p, 12), len(p)) for p in prompts[:3]]
+    _, labels = compute_features(greedy, tiny_target, tmp_path / "greedy", dtype="float64")
+    offset = 0
+    for seq, plen in greedy:  # greedy answer: the label at p is the answer token at p + 1
+        assert list(labels[offset + plen - 1:offset + len(seq) - 1]) == seq[plen:]
+        offset += len(seq)
+    rng = np.random.default_rng(0)  # a "sampled" answer: random tokens, labels still the argmax
+    sampled = [(p + rng.integers(0, 200, 12).tolist(), len(p)) for p in prompts[:3]]
+    _, labels = compute_features(sampled, tiny_target, tmp_path / "sampled", dtype="float64")
+    offset, differ = 0, 0
+    for seq, plen in sampled:
+        for pos in (3, len(seq) - 1):
+            assert labels[offset + pos] == hf_greedy(seq[:pos + 1], 1)[0]
+        differ += sum(labels[offset + p] != seq[p + 1] for p in range(plen, len(seq) - 1))
+        offset += len(seq)
+    assert differ > 0  # the labels are not the sampled text
+
+
+def test_teacher_forced_accuracy_scores_every_answer_position_and_reuses_its_cache(tmp_path, tiny_target, eagle3_head):
+    from eagle_serve.train.corpus import read_corpus
+    from eagle_serve.train.evaluate import teacher_forced_accuracy
+
+    prompts = ["Why is the sky blue?", "Name three fruits."]
+    report = teacher_forced_accuracy(eagle3_head, tiny_target, prompts, tmp_path, max_tokens=10, dtype="float64")
+    rows = read_corpus(tmp_path / "answers")
+    assert report["rows"] == 2 and len(report["step_accuracy"]) == 3
+    assert report["positions"] == sum(len(r["output_ids"]) for r in rows)  # labels x_{p+2} in the answer
+    assert all(0.0 <= a <= 1.0 for a in report["step_accuracy"])
+    assert teacher_forced_accuracy(eagle3_head, tiny_target, prompts, tmp_path, max_tokens=10,
+                                   dtype="float64") == report

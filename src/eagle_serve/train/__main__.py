@@ -30,9 +30,15 @@ def main(argv=None) -> None:
     c.add_argument("--shard-size", type=int, default=512, help="prompts per shard (x batch: fewer tail steps)")
     c.add_argument("--limit", type=int, default=None, help="at most this many new prompts")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy answers; > 0 = sampled answers (seeded per prompt), labelled by the target's argmax at training")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     t = sub.add_parser("train")
     t.add_argument("--target", default="default")
-    t.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    t.add_argument("--corpus", type=Path, nargs="+", default=[DEFAULT_CORPUS],
+                   help="corpus folders (greedy and/or sampled answers), read in this order")
+    t.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the teacher-forced target pass (bfloat16: as the CPU server runs)")
     t.add_argument("--work", type=Path, default=paths.cache_dir() / "train-eagle3")
     t.add_argument("--out", type=Path, default=paths.REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct")
     t.add_argument("--steps", type=int, default=1500)
@@ -49,6 +55,8 @@ def main(argv=None) -> None:
     e.add_argument("--prompts", type=Path, default=HELDOUT)
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--max-tokens", type=int, default=96)
+    e.add_argument("--teacher-forced", type=Path, default=None, metavar="WORK",
+                   help="instead: per-step accuracy along the target's greedy answers (cached in WORK)")
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from eagle_serve.train.corpus import generate_corpus
@@ -56,12 +64,19 @@ def main(argv=None) -> None:
         prompts = build_prompts(args.seed, HELDOUT)
         n = generate_corpus(args.out, paths.resolve_model_path(args.target), prompts,
                             max_tokens=args.max_tokens, batch=args.batch,
-                            shard_size=args.shard_size, limit=args.limit)
+                            shard_size=args.shard_size, limit=args.limit,
+                            temperature=args.temperature, seed=args.seed, dtype=args.dtype)
         print(f"corpus: {n} new answers in {args.out}")
     elif args.command == "train":
         train(args)
     elif args.command == "eval":
-        from eagle_serve.train.evaluate import evaluate, heldout_prompts
+        from eagle_serve.train.evaluate import evaluate, heldout_prompts, teacher_forced_accuracy
+        if args.teacher_forced:
+            report = teacher_forced_accuracy(args.head, paths.resolve_model_path(args.target),
+                                             heldout_prompts(args.prompts), args.teacher_forced,
+                                             max_tokens=args.max_tokens)
+            print(json.dumps(report, indent=2))
+            return
         report = evaluate(args.head, paths.resolve_model_path(args.target),
                           heldout_prompts(args.prompts), k=args.k, max_tokens=args.max_tokens)
         print(json.dumps(report, indent=2))
@@ -71,16 +86,18 @@ def train(args) -> None:
     from eagle_serve.train.corpus import read_corpus
     from eagle_serve.train.trainer import TrainConfig, Trainer
 
-    rows = read_corpus(args.corpus)
+    rows = [row for folder in args.corpus for row in read_corpus(folder)]
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, unroll=args.unroll, lr=args.lr,
                       steps=args.steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed,
                       feature_layers=tuple(args.feature_layers) if args.feature_layers else None)
     start = time.time()
-    trainer = Trainer(rows, paths.resolve_model_path(args.target), args.work, cfg)
+    trainer = Trainer(rows, paths.resolve_model_path(args.target), args.work, cfg,
+                      feature_dtype=args.feature_dtype)
     print(f"corpus: {len(rows)} answers; draft vocabulary {cfg.draft_vocab_size} covers "
           f"{trainer.coverage:.4f} of answer tokens", flush=True)
     trainer.train()
-    card = {"corpus_rows": len(rows), "answer_tokens": sum(len(r["output_ids"]) for r in rows),
+    card = {"corpora": [str(c) for c in args.corpus], "feature_dtype": args.feature_dtype,
+            "corpus_rows": len(rows), "answer_tokens": sum(len(r["output_ids"]) for r in rows),
             "draft_vocab_coverage": round(trainer.coverage, 5), "config": asdict(cfg),
             "wall_time_s_this_run": round(time.time() - start, 1)}
     out = trainer.export(args.out, card)

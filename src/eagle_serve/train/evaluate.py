@@ -1,9 +1,13 @@
-"""Acceptance of a drafter on held-out prompts, measured with the real engine (greedy chains)."""
+"""Acceptance of a drafter on held-out prompts: with the real engine (greedy chains), and
+teacher-forced (the unrolled training objective's per-step accuracy on held-out answers)."""
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from eagle_serve.engine import SamplingParams
 from eagle_serve.local import build_local_engine
@@ -33,3 +37,42 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
     return {"k": k, "tau": tokens / rounds, "acceptance_per_position": per_position,
             "tokens_per_s": timings[k], "tokens_per_s_k0": timings[0],
             "speedup_in_process": timings[k] / timings[0], "prompts": len(prompts)}
+
+
+@torch.inference_mode()
+def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str], work: Path,
+                            max_tokens: int = 128, unroll: int = 3, dtype: str = "bfloat16") -> dict:
+    """Per-step accuracy of the unrolled head against the target's argmax along the target's own
+    greedy answers to `prompts` (answers and features cached in `work`)."""
+    from eagle_serve.checkpoints import load_head
+    from eagle_serve.llama import TargetModel
+    from eagle_serve.train import trainer as T
+    from eagle_serve.train.corpus import generate_corpus, read_corpus
+
+    generate_corpus(work / "answers", target_dir, prompts, max_tokens=max_tokens, dtype=dtype)
+    seqs = T.sequences(read_corpus(work / "answers"))
+    head = load_head(head_dir, target_dir).float().eval()
+    layers = head.spec.feature_layers
+    feats, labels = T.compute_features(seqs, target_dir, work / f"features-{'-'.join(map(str, layers))}",
+                                       layers, dtype=dtype)
+    target = TargetModel(target_dir, num_pages=1, page_size=16)
+    t2d = torch.full((target.vocab_size,), -1, dtype=torch.int64)
+    t2d[torch.arange(head.d2t.shape[0]) + head.d2t] = torch.arange(head.d2t.shape[0])
+    embed = target.embed_tokens.weight.detach().float()
+    cfg = T.TrainConfig(unroll=unroll, noise=0.0)
+    offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
+    hits, positions = np.zeros(unroll), 0
+    for i, (seq, plen) in enumerate(seqs):
+        rows = slice(offsets[i], offsets[i] + len(seq))
+        f = torch.from_numpy(np.asarray(feats[rows], dtype=np.float32))[None]  # [1, L, 3H]
+        ids = torch.full((1, len(seq) + unroll + 1), -1, dtype=torch.int64)
+        ids[0, :len(seq)] = torch.tensor(seq)
+        argmax = torch.full_like(ids, -1)
+        argmax[0, :len(seq)] = torch.from_numpy(np.asarray(labels[rows], dtype=np.int64))
+        mask = torch.zeros(1, len(seq), dtype=torch.bool)
+        mask[0, max(0, plen - 2):len(seq) - 2] = True
+        _, accs = T.unrolled_loss(head, embed, f, ids, argmax, mask, t2d, cfg)
+        hits += np.array(accs) * int(mask.sum())
+        positions += int(mask.sum())
+    return {"rows": len(seqs), "positions": positions,
+            "step_accuracy": [round(float(h) / positions, 4) for h in hits]}

@@ -1,13 +1,16 @@
 """Train an EAGLE-3 head on a self-distillation corpus.
 
 - Features: one teacher-forced pass of the target over prompt + answer gives, per position p,
-  the inputs of layers (2, L//2, L-3) (the EAGLE-3 fusion input); cached on disk in fp16.
+  the inputs of layers (2, L//2, L-3) (the EAGLE-3 fusion input) and the target's own argmax
+  (the label: for a greedy answer it is the next answer token, for a sampled one it is what the
+  target would have said there); cached on disk (features fp16, labels int32).
 - Draft vocabulary: the most frequent answer tokens (d2t: target_id = draft_id + d2t[draft_id]);
   the head's LM head rows start from the target's embedding rows of those tokens.
-- Objective: token cross-entropy with training-time unrolling (EAGLE-3's "training-time test"):
-  step 1 reads the target's features, step j > 1 reads the head's own output of step j-1 and
-  the true token, attending to the step-1 keys of earlier positions and to its own chain, i.e.
-  exactly what drafting at inference sees. Only positions whose label is an answer token count.
+- Objective: token cross-entropy against the target's argmax with training-time unrolling
+  (EAGLE-3's "training-time test"): step 1 reads the target's features, step j > 1 reads the
+  head's own output of step j-1 and the true token, attending to the step-1 keys of earlier
+  positions and to its own chain, i.e. exactly what drafting at inference sees. Only positions
+  whose label is an answer token count.
 - Resumable: a checkpoint (head, optimizer, step, RNG) every `save_every` steps.
 """
 from __future__ import annotations
@@ -76,30 +79,34 @@ def _digest(seqs) -> str:
 
 
 def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...] | None = None,
-                     batch_tokens: int = 4096) -> np.memmap:
-    """Teacher-forced target pass; -> memmap [total_tokens, 3H] fp16 (rows in sequence order).
-    A cache made for a prefix of `seqs` (the corpus before it grew) is extended, not redone."""
+                     batch_tokens: int = 4096, dtype: str = "float32") -> tuple[np.memmap, np.memmap]:
+    """Teacher-forced target pass in `dtype`; -> features memmap [total_tokens, 3H] fp16 and
+    labels memmap [total_tokens] int32 (the target's argmax at each position; rows in sequence
+    order). A cache made for a prefix of `seqs` (the corpus before it grew) is extended, not redone."""
     cache.mkdir(parents=True, exist_ok=True)
     total = sum(len(s) for s, _ in seqs)
     meta = cache / "features.json"
     tconf = LlamaConfig.from_pretrained(str(target_dir))
     layers = tuple(layers or eagle3_feature_layers(tconf.num_hidden_layers))
     width = 3 * tconf.hidden_size
-    path = cache / "features.f16"
-    key = {"tokens": total, "width": width, "layers": list(layers), "rows": len(seqs),
-           "digest": _digest(seqs)}
+    path, lpath = cache / "features.f16", cache / "labels.i32"
+    fixed = {"width": width, "layers": list(layers), "dtype": dtype, "labels": True}
+    key = {"tokens": total, "rows": len(seqs), "digest": _digest(seqs)} | fixed
     old = json.loads(meta.read_text()) if meta.exists() else {}
     if old == key:
-        return np.memmap(path, dtype=np.float16, mode="r", shape=(total, width))
+        return (np.memmap(path, dtype=np.float16, mode="r", shape=(total, width)),
+                np.memmap(lpath, dtype=np.int32, mode="r", shape=(total,)))
     done = old.get("rows", 0) if (
-        {k: old.get(k) for k in ("width", "layers")} == {"width": width, "layers": list(layers)}
+        {k: old.get(k) for k in fixed} == fixed
         and 0 < old.get("rows", 0) <= len(seqs) and old.get("digest") == _digest(seqs[:old["rows"]])) else 0
     store = np.memmap(path.with_suffix(".tmp"), dtype=np.float16, mode="w+", shape=(total, width))
+    labels = np.memmap(lpath.with_suffix(".tmp"), dtype=np.int32, mode="w+", shape=(total,))
     offset = sum(len(s) for s, _ in seqs[:done])
     if done:
         store[:offset] = np.memmap(path, dtype=np.float16, mode="r", shape=(offset, width))
+        labels[:offset] = np.memmap(lpath, dtype=np.int32, mode="r", shape=(offset,))
     target = TargetModel(target_dir, num_pages=batch_tokens // 16 + 64, page_size=16,
-                         feature_layers=layers)
+                         feature_layers=layers, dtype=getattr(torch, dtype))
     i = done
     bar = tqdm(total=total, initial=offset, desc="target features", unit="tok")
     while i < len(seqs):
@@ -108,17 +115,22 @@ def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...
             group.append(seqs[i])
             i += 1
         batch = _prefill_batch([s for s, _ in group], PagePool(target.cache.num_pages, 16))
-        _, feats = target.hidden_states(batch)
+        with torch.inference_mode():
+            final, feats = target.hidden_states(batch)
+            argmax = target.lm_head(final).float().argmax(-1)  # [n]
         n = feats.shape[0]
         store[offset:offset + n] = feats.to(torch.float16).numpy()
+        labels[offset:offset + n] = argmax.numpy()
         offset += n
         bar.update(n)
     bar.close()
-    store.flush()
-    del store
-    path.with_suffix(".tmp").rename(path)
+    for m, f in ((store, path), (labels, lpath)):
+        m.flush()
+        f.with_suffix(".tmp").rename(f)
+    del store, labels
     meta.write_text(json.dumps(key))
-    return np.memmap(path, dtype=np.float16, mode="r", shape=(total, width))
+    return (np.memmap(path, dtype=np.float16, mode="r", shape=(total, width)),
+            np.memmap(lpath, dtype=np.int32, mode="r", shape=(total,)))
 
 
 def _prefill_batch(seqs: list[list[int]], pool: PagePool) -> RaggedBatch:
@@ -196,16 +208,18 @@ def unrolled_hidden(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, i
 
 
 def unrolled_loss(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, ids: torch.Tensor,
-                  mask: torch.Tensor, t2d: torch.Tensor, cfg: TrainConfig):
-    """Cross-entropy of each step j against x_{p+j+2} (in draft ids), weighted decay**j.
+                  argmax: torch.Tensor, mask: torch.Tensor, t2d: torch.Tensor, cfg: TrainConfig):
+    """Cross-entropy of each step j against the target's argmax after x_{p+j+1} (in draft ids),
+    weighted decay**j.
 
-    mask: [B, L] positions whose step-1 label is an answer token; t2d: [V] draft id or -1
+    argmax: [B, >= L + steps] the target's argmax at each position (-1 = pad); mask: [B, L]
+    positions whose step-1 label is an answer token; t2d: [V] draft id or -1
     -> loss, per-step accuracy list
     """
     n = feats.shape[1]
     loss, accs = 0.0, []
     for j, hidden in enumerate(unrolled_hidden(head, embed, feats, ids, cfg.unroll)):
-        target_ids = ids[:, 2 + j:2 + j + n]  # x_{p+j+2}
+        target_ids = argmax[:, 1 + j:1 + j + n]  # the target's token after x_{p+j+1}
         labels = torch.where(target_ids >= 0, t2d[target_ids.clamp(min=0)], -1)  # -1: no label
         valid = mask & (labels >= 0)
         logits = head.lm_head(head.norm(hidden[valid]))
@@ -218,7 +232,8 @@ def unrolled_loss(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, ids
 # ---- the loop ----
 
 class Trainer:
-    def __init__(self, rows: list[dict], target_dir: Path, work: Path, cfg: TrainConfig):
+    def __init__(self, rows: list[dict], target_dir: Path, work: Path, cfg: TrainConfig,
+                 feature_dtype: str = "float32"):
         self.cfg, self.work, self.target_dir = cfg, Path(work), Path(target_dir)
         self.seqs = sequences(rows)
         self.offsets = np.cumsum([0] + [len(s) for s, _ in self.seqs])
@@ -226,7 +241,8 @@ class Trainer:
         d2t, self.coverage = draft_vocab(rows, cfg.draft_vocab_size, tconf.vocab_size)
         self.t2d = torch.full((tconf.vocab_size,), -1, dtype=torch.int64)
         self.t2d[torch.arange(cfg.draft_vocab_size) + d2t] = torch.arange(cfg.draft_vocab_size)
-        self.features = compute_features(self.seqs, target_dir, self.work / "features", cfg.feature_layers)
+        self.features, self.labels = compute_features(self.seqs, target_dir, self.work / "features",
+                                                      cfg.feature_layers, dtype=feature_dtype)
         self.feat_std = float(np.asarray(self.features[:20000], dtype=np.float32).std())
         target = TargetModel(target_dir, num_pages=1, page_size=16)
         self.embed = target.embed_tokens.weight.detach()
@@ -263,23 +279,26 @@ class Trainer:
         u = self.cfg.unroll
         feats = torch.zeros(len(picked), n, self.features.shape[1])
         ids = torch.full((len(picked), n + u + 1), -1, dtype=torch.int64)
+        argmax = torch.full((len(picked), n + u + 1), -1, dtype=torch.int64)
         mask = torch.zeros(len(picked), n, dtype=torch.bool)
         for row, i in enumerate(picked):
             seq, plen = self.seqs[i]
             feats[row, :len(seq)] = torch.from_numpy(np.asarray(
                 self.features[self.offsets[i]:self.offsets[i] + len(seq)], dtype=np.float32))
             ids[row, :len(seq)] = torch.tensor(seq)
+            argmax[row, :len(seq)] = torch.from_numpy(np.asarray(
+                self.labels[self.offsets[i]:self.offsets[i] + len(seq)], dtype=np.int64))
             mask[row, max(0, plen - 2):len(seq) - 2] = True  # label x_{p+2} is an answer token
         noise = (torch.rand_like(feats) - 0.5) * 2 * self.cfg.noise * self.feat_std
-        return feats + noise, ids, mask
+        return feats + noise, ids, argmax, mask
 
     def train(self, eval_fn=None) -> None:
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train EAGLE-3 head", unit="step")
         while self.step < self.cfg.steps:
-            feats, ids, mask = self._batch()
+            feats, ids, argmax, mask = self._batch()
             for g in self.opt.param_groups:
                 g["lr"] = self._lr()
-            loss, accs = unrolled_loss(self.head, self.embed, feats, ids, mask, self.t2d, self.cfg)
+            loss, accs = unrolled_loss(self.head, self.embed, feats, ids, argmax, mask, self.t2d, self.cfg)
             self.opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
