@@ -60,6 +60,10 @@ def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_
     assert drafter.feature_layers == (1, 2, 3)
     resumed = Trainer(rows, tiny_target, tmp_path / "work", cfg)  # checkpoint picked up
     assert resumed.step == 40
+    extra = [{"prompt": "x", "prompt_ids": prompts[0], "output_ids": list(range(300, 560))}]
+    grown = Trainer(rows + extra, tiny_target, tmp_path / "work", cfg)  # corpus grew: new token counts
+    assert grown.step == 40 and torch.equal(grown.head.d2t, trainer.head.d2t)
+    assert torch.equal(grown.t2d, trainer.t2d)  # labels still map into the checkpoint's vocabulary
     engine = build_local_engine(tiny_target, out, dtype="float64", eos_token_ids=())
     results = engine.generate(prompts[:2], SamplingParams(max_tokens=24, num_speculative_tokens=3))
     assert [r.token_ids for r in results] == [hf_greedy(p, 24) for p in prompts[:2]]

@@ -56,8 +56,7 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
     feats, labels = T.compute_features(seqs, target_dir, work / f"features-{'-'.join(map(str, layers))}",
                                        layers, dtype=dtype)
     target = TargetModel(target_dir, num_pages=1, page_size=16)
-    t2d = torch.full((target.vocab_size,), -1, dtype=torch.int64)
-    t2d[torch.arange(head.d2t.shape[0]) + head.d2t] = torch.arange(head.d2t.shape[0])
+    t2d = T.target_to_draft(head.d2t.to(torch.int64), target.vocab_size)
     embed = target.embed_tokens.weight.detach().float()
     cfg = T.TrainConfig(unroll=unroll, noise=0.0)
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])

@@ -71,6 +71,13 @@ def draft_vocab(rows: list[dict], size: int, vocab_size: int) -> tuple[torch.Ten
     return ids - torch.arange(size), covered
 
 
+def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """d2t [D] -> t2d [V]: the draft id of each target id, -1 outside the draft vocabulary"""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
+    t2d[torch.arange(d2t.shape[0]) + d2t] = torch.arange(d2t.shape[0])
+    return t2d
+
+
 def _digest(seqs) -> str:
     h = hashlib.sha1()
     for s, plen in seqs:
@@ -239,8 +246,7 @@ class Trainer:
         self.offsets = np.cumsum([0] + [len(s) for s, _ in self.seqs])
         tconf = LlamaConfig.from_pretrained(str(target_dir))
         d2t, self.coverage = draft_vocab(rows, cfg.draft_vocab_size, tconf.vocab_size)
-        self.t2d = torch.full((tconf.vocab_size,), -1, dtype=torch.int64)
-        self.t2d[torch.arange(cfg.draft_vocab_size) + d2t] = torch.arange(cfg.draft_vocab_size)
+        self.t2d = target_to_draft(d2t, tconf.vocab_size)
         self.features, self.labels = compute_features(self.seqs, target_dir, self.work / "features",
                                                       cfg.feature_layers, dtype=feature_dtype)
         self.feat_std = float(np.asarray(self.features[:20000], dtype=np.float32).std())
@@ -322,6 +328,8 @@ class Trainer:
         if ckpt.exists():
             state = torch.load(ckpt, weights_only=False)
             self.head.load_state_dict(state["head"])
+            # a resumed run keeps the checkpoint's draft vocabulary, even if the corpus grew since
+            self.t2d = target_to_draft(self.head.d2t.to(torch.int64), self.t2d.shape[0])
             self.opt.load_state_dict(state["opt"])
             self.step, self.rng.bit_generator.state = state["step"], state["rng"]
 
