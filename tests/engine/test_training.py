@@ -9,7 +9,8 @@ from eagle_serve.engine import SamplingParams
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.llama import TargetModel
 from eagle_serve.local import build_local_engine
-from eagle_serve.train.trainer import TrainConfig, Trainer, _prefill_batch, compute_features, unrolled_hidden
+from eagle_serve.train.trainer import (TrainConfig, Trainer, _prefill_batch, compute_features, target_to_draft,
+                                       unrolled_hidden, unrolled_loss)
 
 
 @torch.inference_mode()
@@ -119,3 +120,31 @@ def test_teacher_forced_accuracy_scores_every_answer_position_and_reuses_its_cac
     assert all(0.0 <= a <= 1.0 for a in report["step_accuracy"])
     assert teacher_forced_accuracy(eagle3_head, tiny_target, prompts, tmp_path, max_tokens=10,
                                    dtype="float64") == report
+
+
+@torch.inference_mode()
+def test_accuracy_counts_target_tokens_outside_the_draft_vocabulary_as_misses(tiny_target, prompts):
+    conf = TargetModel(tiny_target, num_pages=1, page_size=4).config
+    full = random_head(conf, 3, conf.vocab_size, seed=1).double()
+    target = TargetModel(tiny_target, dtype=torch.float64, num_pages=32, page_size=4,
+                         feature_layers=full.spec.feature_layers)
+    seq = prompts[0][:16]
+    _, feats = target.hidden_states(_prefill_batch([seq], PagePool(32, 4)))
+    ids = torch.tensor([seq + [-1] * 4])
+    argmax = ids.clone()  # labels: the text itself
+    mask = torch.zeros(1, len(seq), dtype=torch.bool)
+    mask[0, 3:len(seq) - 2] = True
+    vocab = target.vocab_size
+    cfg = TrainConfig(unroll=2, noise=0.0)
+    embed = target.embed_tokens.weight.detach()
+    _, accs = unrolled_loss(full, embed, feats.unsqueeze(0), ids, argmax, mask,
+                            target_to_draft(full.d2t.to(torch.int64), vocab), cfg)
+    scored = [n for _, n in accs]
+    assert scored[0] == int(mask.sum())
+    # a draft vocabulary without the labels: nothing can hit, every position still counts
+    outside = sorted(set(range(vocab)) - set(seq))[:8]
+    d2t = torch.tensor(outside) - torch.arange(8)
+    small = random_head(target.config, 3, 8, seed=1, d2t=d2t, feature_layers=full.spec.feature_layers).double()
+    _, accs = unrolled_loss(small, embed, feats.unsqueeze(0), ids, argmax, mask,
+                            target_to_draft(d2t, vocab), cfg)
+    assert [h for h, _ in accs] == [0, 0] and [n for _, n in accs] == scored

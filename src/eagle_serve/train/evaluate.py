@@ -43,7 +43,8 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
 def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str], work: Path,
                             max_tokens: int = 128, unroll: int = 3, dtype: str = "bfloat16") -> dict:
     """Per-step accuracy of the unrolled head against the target's argmax along the target's own
-    greedy answers to `prompts` (answers and features cached in `work`)."""
+    greedy answers to `prompts` (answers and features cached in `work`); a target token outside
+    the draft vocabulary counts as a miss."""
     from eagle_serve.checkpoints import load_head
     from eagle_serve.llama import TargetModel
     from eagle_serve.train import trainer as T
@@ -60,7 +61,7 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
     embed = target.embed_tokens.weight.detach().float()
     cfg = T.TrainConfig(unroll=unroll, noise=0.0)
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
-    hits, positions = np.zeros(unroll), 0
+    hits, scored = np.zeros(unroll), np.zeros(unroll)
     for i, (seq, plen) in enumerate(seqs):
         rows = slice(offsets[i], offsets[i] + len(seq))
         f = torch.from_numpy(np.asarray(feats[rows], dtype=np.float32))[None]  # [1, L, 3H]
@@ -71,7 +72,7 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
         mask = torch.zeros(1, len(seq), dtype=torch.bool)
         mask[0, max(0, plen - 2):len(seq) - 2] = True
         _, accs = T.unrolled_loss(head, embed, f, ids, argmax, mask, t2d, cfg)
-        hits += np.array(accs) * int(mask.sum())
-        positions += int(mask.sum())
-    return {"rows": len(seqs), "positions": positions,
-            "step_accuracy": [round(float(h) / positions, 4) for h in hits]}
+        hits += [h for h, _ in accs]
+        scored += [n for _, n in accs]
+    return {"rows": len(seqs), "positions": int(scored[0]),
+            "step_accuracy": [round(float(h / n), 4) for h, n in zip(hits, scored)]}

@@ -221,7 +221,8 @@ def unrolled_loss(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, ids
 
     argmax: [B, >= L + steps] the target's argmax at each position (-1 = pad); mask: [B, L]
     positions whose step-1 label is an answer token; t2d: [V] draft id or -1
-    -> loss, per-step accuracy list
+    -> loss, per step (hits, scored): scored = answer positions with a label, including the
+       target tokens outside the draft vocabulary (a draft can never hit those)
     """
     n = feats.shape[1]
     loss, accs = 0.0, []
@@ -232,7 +233,7 @@ def unrolled_loss(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, ids
         logits = head.lm_head(head.norm(hidden[valid]))
         step_loss = F.cross_entropy(logits, labels[valid]) if valid.any() else logits.sum() * 0
         loss = loss + cfg.step_decay ** j * step_loss
-        accs.append((logits.argmax(-1) == labels[valid]).float().mean().item() if valid.any() else 0.0)
+        accs.append((int((logits.argmax(-1) == labels[valid]).sum()), int((mask & (target_ids >= 0)).sum())))
     return loss, accs
 
 
@@ -312,7 +313,7 @@ class Trainer:
             self.step += 1
             self.history.append(loss.item())
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{h / max(1, n):.2f}" for h, n in accs))
             if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
                 self._save()
         bar.close()
