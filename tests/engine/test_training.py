@@ -148,3 +148,14 @@ def test_accuracy_counts_target_tokens_outside_the_draft_vocabulary_as_misses(ti
     _, accs = unrolled_loss(small, embed, feats.unsqueeze(0), ids, argmax, mask,
                             target_to_draft(d2t, vocab), cfg)
     assert [h for h, _ in accs] == [0, 0] and [n for _, n in accs] == scored
+
+
+def test_in_process_eval_reports_acceptance_per_position_in_the_dtype_asked_for(tiny_target, eagle3_head):
+    from eagle_serve.train.evaluate import evaluate
+
+    report = evaluate(eagle3_head, tiny_target, ["Why is the sky blue?", "Name three fruits."], k=2,
+                      max_tokens=8, dtype="float64")
+    assert report["dtype"] == "float64" and report["prompts"] == 2
+    first, second = report["acceptance_per_position"]
+    assert 0.0 <= second <= first <= 1.0  # a chain's second draft counts only behind an accepted first
+    assert 1.0 <= report["tau"] <= 3.0 and report["tokens_per_s"] > 0 and report["tokens_per_s_k0"] > 0

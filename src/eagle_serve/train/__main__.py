@@ -55,6 +55,9 @@ def main(argv=None) -> None:
     e.add_argument("--prompts", type=Path, default=HELDOUT)
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--max-tokens", type=int, default=96)
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
+                   help="in-process eval: dtype of target and head (the CPU server runs bfloat16 "
+                        "where the CPU has native bf16)")
     e.add_argument("--teacher-forced", type=Path, default=None, metavar="WORK",
                    help="instead: per-step accuracy along the target's greedy answers (cached in WORK)")
     args = parser.parse_args(argv)
@@ -78,7 +81,8 @@ def main(argv=None) -> None:
             print(json.dumps(report, indent=2))
             return
         report = evaluate(args.head, paths.resolve_model_path(args.target),
-                          heldout_prompts(args.prompts), k=args.k, max_tokens=args.max_tokens)
+                          heldout_prompts(args.prompts), k=args.k, max_tokens=args.max_tokens,
+                          dtype=args.dtype)
         print(json.dumps(report, indent=2))
 
 

@@ -19,9 +19,10 @@ def heldout_prompts(path: Path) -> list[str]:
 
 
 def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
-             max_tokens: int = 96, batch: int = 1) -> dict:
-    """-> tau, per-position acceptance (given all earlier accepted), tokens/s of k and of k=0."""
-    engine = build_local_engine(target_dir, head_dir, max_running=batch)
+             max_tokens: int = 96, batch: int = 1, dtype: str = "float32") -> dict:
+    """-> tau, per-position acceptance (given all earlier accepted), tokens/s of k and of k=0.
+    dtype: of target and head (bfloat16 = what the server runs on CPUs with native bf16)."""
+    engine = build_local_engine(target_dir, head_dir, max_running=batch, dtype=dtype)
     ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
     timings = {}
     for kk in (0, k):
@@ -36,7 +37,7 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
     per_position = [a / d if d else None for a, d in zip(s.accepted_per_position, s.drafted_per_position)][:k]
     return {"k": k, "tau": tokens / rounds, "acceptance_per_position": per_position,
             "tokens_per_s": timings[k], "tokens_per_s_k0": timings[0],
-            "speedup_in_process": timings[k] / timings[0], "prompts": len(prompts)}
+            "speedup_in_process": timings[k] / timings[0], "prompts": len(prompts), "dtype": dtype}
 
 
 @torch.inference_mode()
