@@ -133,10 +133,11 @@ class SpecDecodeService:
 
     def _round(self) -> None:
         self._poll_cancellations()
-        for out in self.engine.step():
-            self._respond(out)
-        if self.metrics:
+        outputs = self.engine.step()
+        if self.metrics:  # before the responses: a client that saw FINAL reads settled gauges
             self.metrics.update(self.engine)
+        for out in outputs:
+            self._respond(out)
 
     def _poll_cancellations(self) -> None:
         for rid, entry in list(self.open.items()):
