@@ -94,8 +94,10 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     appended), so a batched verify pass would not reproduce the one-token decode step bitwise.
     Here the query of a verified position gets exactly the computation a one-token decode step
     at that position makes (same shapes, same layout), so the result does not depend on the
-    batch. The math runs in fp32 on one thread: two small matmuls and a softmax per query cost
-    ~26 us against ~90 us for SDPA on one query (and small ops lose time to a second thread).
+    batch. The math runs in fp32 on one thread, keys and values laid out [Hkv, L, D]: two
+    small bmms and a softmax per query cost ~22 us against ~90 us for SDPA on one query (and
+    small ops lose time to a second thread). A tree query whose path is not new tokens 0..d-1
+    gathers [context, path] through an index built once per forward (`_rowwise_queries`).
     Requests with more than ROWWISE_MAX_QUERIES new tokens (prefill) go through the batched
     reference on their own. Shapes as paged_attention_ref.
     """
@@ -106,37 +108,67 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     torch.set_num_threads(1)
     try:
         q32 = q.float().view(q.shape[0], kv_heads, -1, head_dim)  # [T, Hkv, G, D]
+        out32 = torch.empty_like(q32)
+        queries = _rowwise_queries(cu, lens, tree_mask)
         for b, ctx_len in enumerate(lens):
             start, n = cu[b], cu[b + 1] - cu[b]
             if n == 0:
                 continue
             if n > ROWWISE_MAX_QUERIES:
                 mask = None if tree_mask is None else tree_mask[b:b + 1]
-                out[start:start + n] = paged_attention_ref(
+                out32[start:start + n] = paged_attention_ref(
                     q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
-                    cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask)
+                    cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask
+                ).float().view(n, kv_heads, -1, head_dim)  # exact: back to q's dtype below
                 continue
             pages = block_tables[b, :-(-ctx_len // page_size)]
-            keys = k_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len].float()  # [C, Hkv, D]
-            values = v_cache[pages].reshape(-1, kv_heads, head_dim)[:ctx_len].float()
-            prefix = ctx_len - n
-            seen = None if tree_mask is None else tree_mask[b, :n, :n].tolist()
-            if seen is not None:  # [context, ancestors and self]: same layout as the chain views
-                k_buf, v_buf = keys.clone(), values.clone()
-            for i in range(n):
-                if seen is None:
-                    k, v = keys[:prefix + i + 1], values[:prefix + i + 1]  # [L, Hkv, D]
-                else:
-                    path = [prefix + j for j in range(i + 1) if seen[i][j]]
-                    k, v = k_buf[:prefix + len(path)], v_buf[:prefix + len(path)]
-                    k[prefix:] = keys[path]
-                    v[prefix:] = values[path]
-                scores = torch.matmul(q32[start + i], k.permute(1, 2, 0))  # [Hkv, G, L]
-                probs = torch.softmax(scores * scale, dim=-1)
-                out[start + i] = torch.matmul(probs, v.transpose(0, 1)).view(-1, head_dim)
+            keys = _heads_first(k_cache[pages], ctx_len)  # [Hkv, C, D] fp32
+            values = _heads_first(v_cache[pages], ctx_len)
+            for i, length, gather in queries[b]:
+                k = keys[:, :length] if gather is None else keys.index_select(1, gather)  # [Hkv, L, D]
+                v = values[:, :length] if gather is None else values.index_select(1, gather)
+                scores = torch.bmm(q32[start + i], k.transpose(1, 2))  # [Hkv, G, L]
+                probs = torch.softmax(scores.mul_(scale), dim=-1)
+                torch.bmm(probs, v, out=out32[start + i])  # [Hkv, G, D]
+        out.copy_(out32.view_as(out))
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+_QUERY_PLAN: list = [None]  # [(key, plan)]: every layer of a forward asks for the same plan
+
+
+def _rowwise_queries(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None) -> list:
+    """Per request, (query i, key count L, gather) for each query: a chain query or a tree
+    query whose path is new tokens 0..d-1 reads the first L keys in place (gather None); any
+    other tree query reads [context, its path] through `gather`, a [L] index. Computed once per
+    forward (the key includes the mask's contents, so a reused tensor cannot alias)."""
+    mask = None if tree_mask is None else tree_mask.to("cpu", torch.bool)
+    key = (tuple(cu), tuple(lens), None if mask is None else (mask.shape, mask.numpy().tobytes()))
+    cached = _QUERY_PLAN[0]  # one read: another thread may replace it
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = []
+    for b, ctx_len in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        prefix, rows = ctx_len - n, []
+        seen = None if mask is None else mask[b, :n, :n].tolist()
+        for i in range(n):
+            path = list(range(i + 1)) if seen is None else [j for j in range(i + 1) if seen[i][j]]
+            gather = None
+            if path != list(range(len(path))):
+                gather = torch.tensor(list(range(prefix)) + [prefix + j for j in path])
+            rows.append((i, prefix + len(path), gather))
+        plan.append(rows)
+    _QUERY_PLAN[0] = (key, plan)
+    return plan
+
+
+def _heads_first(pages: torch.Tensor, length: int) -> torch.Tensor:
+    """pages: [P, page_size, Hkv, D] -> the first `length` positions as [Hkv, length, D] fp32."""
+    flat = pages.reshape(-1, *pages.shape[2:])[:length]  # [length, Hkv, D]
+    return torch.empty((flat.shape[1], length, flat.shape[2])).copy_(flat.transpose(0, 1))
 
 
 def _tree_visible(tree_mask: torch.Tensor, n_q: torch.Tensor, seq_lens: torch.Tensor,
