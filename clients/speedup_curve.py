@@ -24,8 +24,9 @@ from eagle_serve.client import grpc_generate  # noqa: E402
 
 def parse_config(text: str) -> dict:
     parts = [int(x) for x in text.split("x")]
-    if len(parts) == 1:
-        return {"num_speculative_tokens": parts[0]}
+    if len(parts) == 1:  # a chain whatever the server's default tree shape
+        k = parts[0]
+        return {"num_speculative_tokens": k, **({"draft_topk": 1, "draft_depth": k} if k else {})}
     k, topk, depth = parts
     return {"num_speculative_tokens": k, "draft_topk": topk, "draft_depth": depth}
 

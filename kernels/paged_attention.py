@@ -107,7 +107,7 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        q32 = q.float().view(q.shape[0], kv_heads, -1, head_dim)  # [T, Hkv, G, D]
+        q32 = (q.float() * scale).view(q.shape[0], kv_heads, -1, head_dim)  # [T, Hkv, G, D]
         out32 = torch.empty_like(q32)
         queries = _rowwise_queries(cu, lens, tree_mask)
         for b, ctx_len in enumerate(lens):
@@ -124,11 +124,11 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             pages = block_tables[b, :-(-ctx_len // page_size)]
             keys = _heads_first(k_cache[pages], ctx_len)  # [Hkv, C, D] fp32
             values = _heads_first(v_cache[pages], ctx_len)
+            keys_t = keys.transpose(1, 2)  # [Hkv, D, C]
             for i, length, gather in queries[b]:
-                k = keys[:, :length] if gather is None else keys.index_select(1, gather)  # [Hkv, L, D]
-                v = values[:, :length] if gather is None else values.index_select(1, gather)
-                scores = torch.bmm(q32[start + i], k.transpose(1, 2))  # [Hkv, G, L]
-                probs = torch.softmax(scores.mul_(scale), dim=-1)
+                k_t = keys_t[:, :, :length] if gather is None else keys.index_select(1, gather).transpose(1, 2)
+                v = values[:, :length] if gather is None else values.index_select(1, gather)  # [Hkv, L, D]
+                probs = torch.softmax(torch.bmm(q32[start + i], k_t), dim=-1)  # [Hkv, G, L]
                 torch.bmm(probs, v, out=out32[start + i])  # [Hkv, G, D]
         out.copy_(out32.view_as(out))
     finally:

@@ -167,4 +167,9 @@ def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str) -> Tr
     return pool(f"tiny64-{head}", overrides={"spec_decode": {
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models[head]),
         "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "256", "num_drafter_pages": "256"}})
+        "num_target_pages": "256", "num_drafter_pages": "256", **CHAINS}})
+
+
+# Requests that do not ask for a tree draft chains of k, and trees asked for are drafted in
+# batches of any size (the shipped config drafts a depth-1 tree while a request runs alone).
+CHAINS = {"draft_topk": "1", "draft_depth": "0", "max_tree_batch": "0"}

@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 
 from eagle_serve.client import grpc_generate, http_generate, metrics
 from eagle_serve.soak import run_soak
-from server import tiny_server
+from server import CHAINS, tiny_server
 
 pytestmark = pytest.mark.server
 
@@ -23,7 +23,7 @@ def small_cache_server(triton_server, tiny_models):
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
         "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
         "num_target_pages": "24", "num_drafter_pages": "24", "max_running": "8",
-        "max_model_len": "160"}})
+        "max_model_len": "160", **CHAINS}})
 
 
 BAD = [
@@ -111,7 +111,7 @@ def tight_server(triton_server, tiny_models):
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
         "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
         "num_target_pages": "8", "num_drafter_pages": "8", "max_running": "1",
-        "max_waiting": "1", "max_model_len": "160"}})
+        "max_waiting": "1", "max_model_len": "160", **CHAINS}})
 
 
 def test_a_request_that_could_never_fit_the_cache_is_refused_and_nothing_else_changes(

@@ -21,7 +21,9 @@ same as without preemption.
 
 Draft trees: k (num_speculative_tokens) is the number of nodes verified per round; a greedy
 request with draft_topk > 1 drafts an EAGLE-2 tree of min(k, tree_capacity(topk, depth))
-nodes, depth = draft_depth clamped to k (and to the tokens it may still emit).
+nodes, depth = draft_depth clamped to k (and to the tokens it may still emit). A tree pays
+off while the verify pass has spare rows: in a round with more than max_tree_batch running
+requests (when set), tree requests draft chains of their depth instead.
 
 The engine knows token ids, pages and slots; the models behind `TargetRunner` and
 `DrafterRunner` hold weights and KV tensors. The tokenizer is used only for stop strings.
@@ -65,6 +67,8 @@ class EngineConfig:
     draft_depth: int = 0              # draft-tree levels of requests that do not ask (0 = k)
     max_draft_topk: int = 8
     max_draft_depth: int = 8
+    max_tree_batch: int = 0           # trees are drafted while at most this many requests run;
+    #                                   beyond, a tree request drafts a chain of its depth (0 = always)
 
     def validate(self) -> None:
         if not 1 <= self.draft_topk <= self.max_draft_topk:
@@ -72,6 +76,8 @@ class EngineConfig:
         if not 0 <= self.draft_depth <= self.max_draft_depth:
             raise ValueError(f"draft_depth must be in [0, {self.max_draft_depth}] (0 = k), "
                              f"got {self.draft_depth}")
+        if self.max_tree_batch < 0:
+            raise ValueError(f"max_tree_batch must be >= 0 (0 = no limit), got {self.max_tree_batch}")
 
 
 def tree_capacity(topk: int, depth: int) -> int:
@@ -524,12 +530,14 @@ class Engine:
         if not work or self.drafter is None:
             return
         ids, positions, cu, seq_lens, slots, feats, shapes = [], [], [0], [], [], [], []
+        limit = self.config.max_tree_batch
+        trees_allowed = limit == 0 or len(self.running) <= limit
         for req, rows in work:
             start, end = req.draft_computed, req.num_computed
             assert rows.shape[0] == end - start, "drafter fell behind the target"
             left = min(req.params.max_tokens - len(req.output) - 1,
                        self.config.max_model_len - len(req.tokens))
-            shapes.append(self._draft_shape(req, left))
+            shapes.append(self._draft_shape(req, left, trees_allowed))
             ids += req.tokens[start + 1:end + 1]
             positions += range(start, end)
             slots += [self.drafter_pool.slot(req.drafter_pages, p) for p in range(start, end)]
@@ -561,12 +569,13 @@ class Engine:
                 req.drafts, req.draft_slots, req.parents = drafts, slots, parents
 
     @staticmethod
-    def _draft_shape(req: _Request, left: int) -> tuple[int, int, int]:
+    def _draft_shape(req: _Request, left: int, trees_allowed: bool = True) -> tuple[int, int, int]:
         """-> (nodes, topk, depth) of this round's drafts; `left` = tokens the request may still
         add after the next one. A tree of depth D scores tree_capacity(topk, D) candidates and
-        keeps the best min(k, that) of them; depth is clamped to `left` (a chain: k too)."""
+        keeps the best min(k, that) of them; depth is clamped to `left` (a chain: k too). When
+        trees are not allowed this round (a full batch), a tree request drafts a chain of D."""
         depth = max(0, min(req.depth, left))
-        if req.topk > 1 and depth > 0:
+        if req.topk > 1 and depth > 0 and trees_allowed:
             return min(req.k, tree_capacity(req.topk, depth)), req.topk, depth
         return depth, 1, depth
 

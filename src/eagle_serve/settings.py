@@ -32,6 +32,7 @@ class ServingSettings:
     draft_depth: int = 0                       # default draft-tree depth (0 = k)
     max_draft_topk: int = 8
     max_draft_depth: int = 8
+    max_tree_batch: int = 0                    # trees only while <= this many requests run (0 = always)
     max_input_bytes: int = 65536               # text_input limit on the direct path
     target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
@@ -82,7 +83,8 @@ class ServingSettings:
             page_size=self.page_size, num_target_pages=self.num_target_pages,
             num_drafter_pages=self.num_drafter_pages, num_draft_slots=self.num_draft_slots,
             eos_token_ids=eos_token_ids, draft_topk=self.draft_topk, draft_depth=self.draft_depth,
-            max_draft_topk=self.max_draft_topk, max_draft_depth=self.max_draft_depth)
+            max_draft_topk=self.max_draft_topk, max_draft_depth=self.max_draft_depth,
+            max_tree_batch=self.max_tree_batch)
 
 
 def tokenizer_dir(value: str, repo_dir: Path) -> Path:

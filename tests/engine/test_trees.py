@@ -134,6 +134,19 @@ def test_the_engine_default_tree_shape_applies_to_requests_that_do_not_ask(tiny_
         engine_for(tiny_target, eagle1_head, draft_topk=20)
 
 
+def test_with_max_tree_batch_a_full_round_drafts_chains_of_the_tree_depth_and_a_lone_request_a_tree(
+        tiny_target, eagle3_head, prompts, hf_greedy):
+    engine = engine_for(tiny_target, eagle3_head, max_running=4, max_tree_batch=1)
+    calls = record_tree_calls(engine)
+    params = [tree(4, 1, 4, max_tokens=6), tree(4, 1, 4, max_tokens=20)]
+    results = engine.generate(prompts[:2], params)
+    assert [r.token_ids for r in results] == [hf_greedy(p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    assert calls[0] == {} and not any(len(c.get("topk", [])) == 2 for c in calls)  # two: chains
+    assert {"topk": [4], "depth": [1]} in calls  # the long one alone: its tree
+    with pytest.raises(ValueError, match="max_tree_batch"):
+        engine_for(tiny_target, eagle3_head, max_tree_batch=-1)
+
+
 # ---- the drafter's tree against a brute-force recomputation of every path ----
 
 @pytest.mark.parametrize("head_name", ["eagle1_head", "eagle3_head"])
