@@ -211,6 +211,7 @@ class Engine:
         self._lock = threading.Lock()
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+        self._pending_draft: list[tuple] = []  # (request, feature rows) left by step(defer_draft=True)
 
     # ---- requests in and out (thread-safe) ----
 
@@ -267,10 +268,15 @@ class Engine:
     # ---- one round ----
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, defer_draft: bool = False) -> list[RequestOutput]:
+        """One round: verify the running requests' drafts (or decode), accept, and draft the
+        next round. With defer_draft the drafting is left to `draft()`, so a caller can stream
+        this round's outputs while the drafter runs (the outputs do not depend on it); call
+        `draft()` before the next step."""
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
         self._schedule()
+        work = []
         if self.running:
             try:
                 batch, logit_rows, sampling, plan, moves = self._target_batch()
@@ -278,11 +284,9 @@ class Engine:
                                              **({"kv_moves": moves} if moves else {}))
                 self.stats.steps += 1
                 emitted, paths = self._accept(result, plan)
-                features = self._advance(result.hidden, plan, emitted, paths)
-                self._draft(features)
+                work = self._advance(result.hidden, plan, emitted, paths)
             except KVLost:  # tokens verified so far stand; all KV is recomputed
-                for req in list(reversed(self.running)):
-                    self._preempt(req)
+                self._preempt_all()
         for req in list(self.running):
             out = self._output(req)
             if out is not None:
@@ -290,7 +294,25 @@ class Engine:
             if req.finish_reason:
                 self._release(req)
                 self.running.remove(req)
+        self._pending_draft = work
+        if not defer_draft:
+            self.draft()
         return outputs
+
+    @torch.inference_mode()
+    def draft(self) -> None:
+        """Propose the next round's drafts for the requests the last step advanced."""
+        running = {id(req) for req in self.running}  # none left since, unless failed
+        work = [(req, rows) for req, rows in self._pending_draft if id(req) in running]
+        self._pending_draft = []
+        try:
+            self._draft(work)
+        except KVLost:
+            self._preempt_all()
+
+    def _preempt_all(self) -> None:
+        for req in list(reversed(self.running)):
+            self._preempt(req)
 
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -337,7 +359,7 @@ class Engine:
         for req in self.running + list(self.waiting):
             self._release(req)
             dropped.append(req.id)
-        self.running, self.waiting = [], deque()
+        self.running, self.waiting, self._pending_draft = [], deque(), []
         return dropped
 
     def _preempt(self, req: _Request) -> None:

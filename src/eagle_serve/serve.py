@@ -26,6 +26,11 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     libdirs = [sysconfig.get_config_var("LIBDIR"), str(_wheel_libs()), env.get("LD_LIBRARY_PATH")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libdirs if p)
     env.setdefault("EAGLE_CACHE", str(paths.cache_dir()))
+    # The models run one after another in separate processes: libgomp's default (spin ~300k
+    # rounds, ~10 ms here) keeps the target's OpenMP workers spinning on a core through the
+    # drafter's call and the responses that follow each forward; 20000 rounds still bridge the
+    # gaps between ops inside a forward (the target's decode step runs as fast).
+    env.setdefault("GOMP_SPINCOUNT", "20000")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,6 +79,9 @@ class SpecDecodeService:
         # Started by the first request: BLS calls are allowed from threads that `execute`
         # starts, not from `initialize`.
         self._thread = threading.Thread(target=self._loop, name="spec-decode-engine", daemon=True)
+        # The drafter call of a round runs here while the engine thread streams the round's
+        # tokens (started lazily by the engine thread).
+        self._drafting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-decode-draft")
         if metrics:  # the gauges show the idle pool from the start, not 0 until a first request
             metrics.update(engine)
 
@@ -111,6 +115,7 @@ class SpecDecodeService:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._drafting.shutdown(wait=False)
         for rid in list(self.open):
             self._final_error(self.open.pop(rid).sender, "the server is shutting down", "UNAVAILABLE")
 
@@ -132,12 +137,19 @@ class SpecDecodeService:
                         self._final_error(self.open.pop(rid).sender, f"engine error: {error}", "INTERNAL")
 
     def _round(self) -> None:
+        """Verify, then draft the next round in the drafting thread while this one updates the
+        metrics and sends the round's tokens: the drafter call (a BLS hop and the head's
+        forward) overlaps the responses instead of following them."""
         self._poll_cancellations()
-        outputs = self.engine.step()
-        if self.metrics:  # before the responses: a client that saw FINAL reads settled gauges
-            self.metrics.update(self.engine)
-        for out in outputs:
-            self._respond(out)
+        outputs = self.engine.step(defer_draft=True)
+        drafting = self._drafting.submit(self.engine.draft)
+        try:
+            if self.metrics:  # before the responses: a client that saw FINAL reads settled gauges
+                self.metrics.update(self.engine)
+            for out in outputs:
+                self._respond(out)
+        finally:
+            drafting.result()  # the engine is whole again before anything else touches it
 
     def _poll_cancellations(self) -> None:
         for rid, entry in list(self.open.items()):

@@ -100,6 +100,44 @@ def test_cancel_mid_stream_frees_pages_and_slots(tiny_target, eagle3_head, promp
                                     "draft_slots_free": 128}
 
 
+def test_a_deferred_draft_streams_the_round_first_and_changes_no_token(
+        tiny_target, eagle3_head, prompts, hf_greedy):
+    # What spec_decode does: step(defer_draft=True), stream the outputs, then draft() (in
+    # another thread there). Chains, a tree, sampling, a cancel and preemption (tight cache).
+    params = [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k)
+              for k in (3, 0, 2, 4)]
+    params += [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=4, draft_topk=3,
+                              draft_depth=2), sampled(seed=7), sampled(seed=8, k=1), sampled(seed=9)]
+    tight = dict(page_size=8, num_target_pages=12, num_drafter_pages=12)
+    at_once = engine_for(tiny_target, eagle3_head, **tight).generate(prompts, params)
+    engine = engine_for(tiny_target, eagle3_head, **tight)
+    calls = []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda *a, **kw: calls.append(1) or propose(*a, **kw)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    tokens = {i: [] for i in ids}
+    finals, drafted_late = {}, 0
+    while engine.has_work():
+        before = len(calls)
+        for out in engine.step(defer_draft=True):
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+        assert len(calls) == before  # the round's tokens are out before any drafting
+        engine.draft()
+        drafted_late += len(calls) > before
+        if len(finals) == 2 and ids[6] not in finals:
+            engine.abort(ids[6])
+    assert drafted_late > 0 and engine.stats.preemptions > 0
+    assert finals[ids[6]] == "cancelled"
+    for i, rid in enumerate(ids):
+        if i != 6:
+            assert tokens[rid] == at_once[i].token_ids
+    assert [tokens[ids[i]] for i in range(5)] == [hf_greedy(p, MAX_TOKENS) for p in prompts[:5]]
+    assert engine.idle_counts() == {"target_pages_free": 12, "drafter_pages_free": 12,
+                                    "draft_slots_free": 128}
+
+
 @pytest.mark.parametrize("params, message", [
     (SamplingParams(max_tokens=0), "max_tokens"),
     (SamplingParams(temperature=-1), "temperature"),
