@@ -3,7 +3,8 @@
 `submit` (called from the decoupled `execute`) validates a request and queues it, or answers it
 at once with an error and FINAL; one background thread runs engine rounds while there is work,
 sends each request's new tokens (stream) or its whole output (non-stream) with running totals,
-polls client cancellation every round, and keeps the Prometheus metrics current. Every request
+polls client cancellation every round, and keeps the Prometheus metrics current; a second one
+makes each round's drafter call meanwhile. Every request
 gets FINAL exactly once: on finish, error, cancellation or shutdown.
 """
 from __future__ import annotations
