@@ -79,7 +79,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.transpose(1, 2)[q_valid]  # [T, Hq, D]
 
 
-ROWWISE_MAX_QUERIES = 16  # requests with more new tokens (prefill) take the batched reference
+ROWWISE_MAX_QUERIES = 16  # prefills of more tokens take the batched reference
 
 
 def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -98,8 +98,10 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     small bmms and a softmax per query cost ~22 us against ~90 us for SDPA on one query (and
     small ops lose time to a second thread). A tree query whose path is not new tokens 0..d-1
     gathers [context, path] through an index built once per forward (`_rowwise_queries`).
-    Requests with more than ROWWISE_MAX_QUERIES new tokens (prefill) go through the batched
-    reference on their own. Shapes as paged_attention_ref.
+    A prefill (a request's first forward: all its tokens new) of more than ROWWISE_MAX_QUERIES
+    tokens goes through the batched reference on its own; every other request is row-invariant
+    whatever its number of new tokens (a verify pass of a large draft tree: 17 or more rows).
+    Shapes as paged_attention_ref.
     """
     page_size, kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
@@ -114,7 +116,7 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             start, n = cu[b], cu[b + 1] - cu[b]
             if n == 0:
                 continue
-            if n > ROWWISE_MAX_QUERIES:
+            if n > ROWWISE_MAX_QUERIES and n == ctx_len:  # a prefill
                 mask = None if tree_mask is None else tree_mask[b:b + 1]
                 out32[start:start + n] = paged_attention_ref(
                     q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
