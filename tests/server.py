@@ -171,5 +171,8 @@ def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str) -> Tr
 
 
 # Requests that do not ask for a tree draft chains of k, and trees asked for are drafted in
-# batches of any size (the shipped config drafts a depth-1 tree while a request runs alone).
-CHAINS = {"draft_topk": "1", "draft_depth": "0", "max_tree_batch": "0"}
+# batches of any size (the shipped config drafts a pruned 8x4x3 tree while a request runs
+# alone), unpruned: a random head's draft probabilities are near 1/V, so the shipped
+# confidence limits would leave one draft per round.
+CHAINS = {"draft_topk": "1", "draft_depth": "0", "max_tree_batch": "0",
+          "draft_min_prob": "0", "draft_expand_prob": "0"}

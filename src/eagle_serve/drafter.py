@@ -10,10 +10,18 @@ and has its own norm, reduced-vocabulary LM head and d2t map (target_id = draft_
 Drafts are sampled here: greedy requests take the argmax, sampled ones draw from q (their own
 temperature/top-k/top-p) with a key (seed, position, DRAFT), and q goes back to the engine
 for lossless verification.
+
+Greedy drafts are pruned by confidence (`DraftPruning`): a draft whose cumulative draft
+probability is below `min_prob` is not proposed (it would cost a verify row and rarely be
+accepted), and a chain or tree drafts one level deeper only while one of its drafts reaches
+`expand_prob` (a drafter step pays only when the next token is likely). The first draft is
+always proposed; verification does not change, so the output does not either.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
 
 import torch
 from torch import nn
@@ -34,6 +42,24 @@ class DrafterSpec:
     draft_vocab_size: int             # == target vocab for EAGLE-1
     fc_bias: bool
     feature_layers: tuple[int, ...] | None  # target layers EAGLE-3 reads; None = final hidden
+
+
+@dataclass(frozen=True)
+class DraftPruning:
+    """Confidence limits on greedy drafts (0 = off); probabilities are the drafter's own,
+    cumulative along a draft path."""
+    min_prob: float = 0.0     # propose a draft only if its path probability is >= this
+    expand_prob: float = 0.0  # draft a deeper level only while some draft of the level is >= this
+
+    def __post_init__(self):
+        for name in ("min_prob", "expand_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"draft_{name} must be in [0, 1], got {value}")
+
+    def log_limits(self) -> tuple[float, float]:
+        log = lambda p: math.log(p) if p > 0 else -math.inf  # noqa: E731
+        return log(self.min_prob), log(self.expand_prob)
 
 
 class _Attention(nn.Module):
@@ -119,9 +145,11 @@ class Drafter:
     """In-process drafter runner (implements `DrafterRunner`)."""
 
     def __init__(self, head: EagleHead, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None,
-                 *, num_pages: int = 256, page_size: int = 16):
+                 *, num_pages: int = 256, page_size: int = 16,
+                 pruning: DraftPruning = DraftPruning()):
         """embed_tokens: [V, H] the target's; lm_head: [V, H] the target's (EAGLE-1 only)."""
         self.head = head.eval()
+        self.pruning = pruning
         p = next(head.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.embed_tokens = embed_tokens.to(self.dtype)
@@ -201,16 +229,29 @@ class Drafter:
         probs = [[] for _ in range(num_req)]
         active = torch.arange(num_req, device=self.device)
         seq_lens = batch.seq_lens
+        min_logp, expand_logp = self.pruning.log_limits()
+        prune = min_logp > -math.inf or expand_logp > -math.inf
+        path_logp = torch.zeros(num_req, dtype=torch.float64, device=self.device)  # [B]
+        going = torch.ones(num_req, dtype=torch.bool, device=self.device)  # [B]
         for j in range(max_k):
-            active = active[num_drafts[active] > j]
+            active = active[(num_drafts[active] > j) & going[active]]
+            if active.numel() == 0:
+                break
             if j > 0:  # feed back (own feature, previous draft) at position seq_len + j - 1
                 step = self._single_token_batch(batch, active, tokens[active, j - 1], seq_lens[active] + j - 1)
                 emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
                 last = last.clone()
                 last[active] = self.head.step(emb, last[active], False, step, self.cache)
-            drafted, q = self._sample(self.logits(last[active]), sampling.select(active),
-                                      (seq_lens[active] + j + 1).tolist())
+            logits = self.logits(last[active])  # [A, V_draft]
+            drafted, q = self._sample(logits, sampling.select(active), (seq_lens[active] + j + 1).tolist())
             tokens[active, j] = drafted
+            if prune:  # greedy rows: the argmax's path probability
+                greedy = active[~sampling.sampled[active]]
+                rows = ~sampling.sampled[active]
+                path_logp[greedy] += torch.log_softmax(logits[rows].double(), -1).amax(-1)
+                if j > 0:
+                    tokens[greedy[path_logp[greedy] < min_logp], j] = -1
+                going[greedy[path_logp[greedy] < max(min_logp, expand_logp)]] = False
             for row, b in enumerate(active.tolist()):
                 if q is not None and sampling.temperature[b] > 0:
                     probs[b].append(q[row])
@@ -224,10 +265,15 @@ class Drafter:
         candidates; each further level expands the top-k candidates of the previous depth by
         cumulative log-probability, in one drafter forward for every tree of the batch; then
         the best num_nodes candidates are kept. last: [B, H] catch-up outputs."""
-        trees = [_Tree(int(batch.seq_lens[b]), topk[b], depth[b], num_nodes[b]) for b in rows]
+        min_logp, expand_logp = self.pruning.log_limits()
+        trees = [_Tree(int(batch.seq_lens[b]), topk[b], depth[b], num_nodes[b], min_logp)
+                 for b in rows]
         self._add_children(trees, [-1] * len(trees), last[rows])
         for level in range(1, max(t.depth for t in trees)):
-            active = [i for i, t in enumerate(trees) if t.depth > level]
+            active = [i for i, t in enumerate(trees)
+                      if t.depth > level and t.best_score(level) >= max(min_logp, expand_logp)]
+            if not active:
+                break
             new_rows = [trees[i].expand(level, last[rows[i]]) for i in active]
             step = self._tree_batch(batch, [rows[i] for i in active], [trees[i] for i in active])
             emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
@@ -303,8 +349,10 @@ class _Tree:
     depth and a score (cumulative draft log-probability); `expanded` lists the candidates fed
     through the drafter, in order (parents first), with their input features and outputs."""
 
-    def __init__(self, end: int, topk: int, depth: int, num_nodes: int):
+    def __init__(self, end: int, topk: int, depth: int, num_nodes: int,
+                 min_logp: float = -math.inf):
         self.end, self.topk, self.depth, self.num_nodes = end, topk, depth, num_nodes
+        self.min_logp = min_logp  # candidates scoring below are neither expanded nor kept
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depths: list[int] = []
@@ -325,10 +373,13 @@ class _Tree:
         # a child never ranks before its parent: its score is <= the parent's, ties by depth
         return (-self.scores[c], self.depths[c], c)
 
+    def best_score(self, level: int) -> float:
+        return max((s for s, d in zip(self.scores, self.depths) if d == level), default=-math.inf)
+
     def expand(self, level: int, root_feature: torch.Tensor) -> list[int]:
         """Mark the top-k candidates of depth `level` for expansion -> their indices."""
         frontier = sorted((c for c, d in enumerate(self.depths) if d == level), key=self._rank)
-        new = frontier[:self.topk]
+        new = [c for c in frontier[:self.topk] if self.scores[c] >= self.min_logp]
         for c in new:
             p = self.parents[c]
             self.inputs.append(root_feature if p < 0 else self.outputs[p])
@@ -341,8 +392,10 @@ class _Tree:
 
     def select(self) -> "_Tree":
         """The best num_nodes candidates, depth-first with the best child first (so the
-        drafter's own greedy path comes first) -> a tree with tokens, parents, scores."""
-        keep = sorted(range(len(self.tokens)), key=self._rank)[:self.num_nodes]
+        drafter's own greedy path comes first) -> a tree with tokens, parents, scores. Below
+        min_logp only the best candidate is kept."""
+        ranked = sorted(range(len(self.tokens)), key=self._rank)[:self.num_nodes]
+        keep = ranked[:1] + [c for c in ranked[1:] if self.scores[c] >= self.min_logp]
         children: dict[int, list[int]] = {-1: []}
         for c in keep:  # in rank order: best child first
             assert self.parents[c] in children, "a kept node's parent was not kept"
@@ -354,7 +407,7 @@ class _Tree:
             order.append(c)
             stack += reversed(children[c])
         index = {c: i for i, c in enumerate(order)}
-        out = _Tree(self.end, self.topk, self.depth, self.num_nodes)
+        out = _Tree(self.end, self.topk, self.depth, self.num_nodes, self.min_logp)
         out.tokens = [self.tokens[c] for c in order]
         out.parents = [index.get(self.parents[c], -1) for c in order]
         out.depths = [self.depths[c] for c in order]

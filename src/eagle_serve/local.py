@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from eagle_serve.checkpoints import load_drafter
+from eagle_serve.drafter import DraftPruning
 from eagle_serve.engine import Engine, EngineConfig
 from eagle_serve.llama import TargetModel
 
@@ -30,8 +31,10 @@ def eos_token_ids(target_dir: str | Path) -> tuple[int, ...]:
 
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *,
                        dtype: torch.dtype | str = torch.float32, device="cpu",
-                       config: EngineConfig | None = None, **overrides) -> Engine:
-    """Target (and drafter, if given) in this process, caches sized from the engine config."""
+                       config: EngineConfig | None = None, pruning: DraftPruning = DraftPruning(),
+                       **overrides) -> Engine:
+    """Target (and drafter, if given) in this process, caches sized from the engine config;
+    `pruning`: the drafter's confidence limits on greedy drafts."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = config or EngineConfig(eos_token_ids=eos_token_ids(target_dir))
     if overrides:
@@ -40,7 +43,8 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
     drafter = None
     if drafter_dir is not None:
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype, device=device,
-                               num_pages=config.num_drafter_pages, page_size=config.page_size)
+                               num_pages=config.num_drafter_pages, page_size=config.page_size,
+                               pruning=pruning)
     target = TargetModel(target_dir, dtype=dtype, device=device, num_pages=config.num_target_pages,
                          page_size=config.page_size,
                          feature_layers=drafter.feature_layers if drafter else None)

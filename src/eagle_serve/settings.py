@@ -33,6 +33,9 @@ class ServingSettings:
     max_draft_topk: int = 8
     max_draft_depth: int = 8
     max_tree_batch: int = 0                    # trees only while <= this many requests run (0 = always)
+    draft_min_prob: float = 0.0                # greedy drafts below this path probability are not
+    #                                            verified (the first always is); 0 = off
+    draft_expand_prob: float = 0.0             # draft deeper only while a draft reaches this; 0 = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
     target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
@@ -47,7 +50,11 @@ class ServingSettings:
         values = {}
         for name, value in params.items():
             if name in known:
-                values[name] = int(value) if known[name] in (int, "int") else value
+                cast = {"int": int, "float": float}.get(getattr(known[name], "__name__", known[name]))
+                try:
+                    values[name] = cast(value) if cast else value
+                except ValueError:
+                    raise ValueError(f"spec_decode parameter {name}: not a {known[name]}: {value!r}") from None
         return cls(**values)
 
     def model_dirs(self, repo_dir: Path) -> tuple[Path, Path | None]:
@@ -55,6 +62,10 @@ class ServingSettings:
         if self.drafter_model in ("", "none"):
             return target, None
         return target, paths.resolve_model_path(self.drafter_model, repo_dir)
+
+    def draft_pruning(self):
+        from eagle_serve.drafter import DraftPruning
+        return DraftPruning(self.draft_min_prob, self.draft_expand_prob)
 
     def torch_dtype(self, on_gpu: bool):
         import torch

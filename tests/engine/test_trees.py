@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from eagle_serve.checkpoints import load_drafter
+from eagle_serve.drafter import DraftPruning
 from eagle_serve.engine import SamplingParams
 from eagle_serve.interfaces import RaggedBatch, RowSampling
 from eagle_serve.kv_pages import PagePool
@@ -341,3 +342,79 @@ def test_any_mix_of_trees_finishing_cancelled_and_preempted_stays_exact_and_leak
         assert got == want or (rid in aborted and want[:len(got)] == got)
     assert engine.idle_counts() == {"target_pages_free": 10, "drafter_pages_free": 10,
                                     "draft_slots_free": 16}
+
+
+# ---- confidence pruning ----
+
+def record_drafts(engine) -> list[tuple[list[int], list[int], list[float] | None]]:
+    """Wrap the drafter's propose: -> per request and call, (tokens, parents, path
+    probabilities or None for a chain) of the drafts proposed."""
+    drafts, propose = [], engine.drafter.propose
+
+    def wrapped(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        for b in range(out.tokens.shape[0]):
+            tokens = out.tokens[b].tolist()
+            n = tokens.index(-1) if -1 in tokens else len(tokens)
+            parents = out.parents[b, :n].tolist() if out.parents is not None else list(range(-1, n - 1))
+            probs = None
+            if out.scores is not None and kwargs["topk"][b] > 1:
+                probs = out.scores[b, :n].exp().tolist()
+            drafts.append((tokens[:n], parents, probs))
+        return out
+    engine.drafter.propose = wrapped
+    return drafts
+
+
+def depths(parents: list[int]) -> list[int]:
+    out = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+@pytest.mark.parametrize("head_name", ["eagle1_head", "eagle3_head"])
+def test_pruned_drafts_are_the_confident_ones_and_the_output_stays_the_targets(
+        request, tiny_target, prompts, hf_greedy, head_name):
+    """Limits from the unpruned drafts' own probabilities (medians), so both kept and pruned
+    drafts occur: a tree keeps its first draft and those at or above min_prob, and drafts a
+    level deeper only under a draft at or above expand_prob; chains stop early."""
+    head = request.getfixturevalue(head_name)
+    params = [tree(4, 3, 8), tree(1, 4, 4), tree(3, 2, 6, max_tokens=8), tree(4, 3, 8, max_tokens=6)]
+    probe = engine_for(tiny_target, head, max_running=4, max_tree_batch=2)
+    seen = record_drafts(probe)
+    probe.generate(prompts[:4], params)
+    later = sorted(p for _, _, probs in seen if probs for p in probs[1:])
+    firsts = sorted(probs[0] for _, _, probs in seen if probs)
+    pruning = DraftPruning(min_prob=later[len(later) // 2], expand_prob=firsts[len(firsts) // 2])
+
+    engine = engine_for(tiny_target, head, max_running=4, max_tree_batch=2, pruning=pruning)
+    drafts = record_drafts(engine)
+    results = engine.generate(prompts[:4], params)
+    assert [r.token_ids for r in results] == [hf_greedy(p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    trees = [(parents, probs) for _, parents, probs in drafts if probs is not None]
+    chains = [tokens for tokens, _, probs in drafts if probs is None and tokens]
+    assert trees and chains
+    for parents, probs in trees:
+        assert all(p >= pruning.min_prob for p in probs[1:])
+        d = depths(parents)
+        for level in range(2, max(d) + 1):  # a level only under a confident draft
+            assert max(p for p, dd in zip(probs, d) if dd == level - 1) >= pruning.expand_prob
+    assert any(len(probs) > 1 for _, probs in trees) and any(len(c) > 1 for c in chains)
+    nodes = lambda recorded: sum(len(t) for t, _, _ in recorded)  # noqa: E731
+    assert nodes(drafts) < nodes(seen) * 0.8  # pruned, though more rounds drafted
+    assert engine.idle_counts() == {"target_pages_free": 256, "drafter_pages_free": 256,
+                                    "draft_slots_free": 128}
+
+
+@pytest.mark.parametrize("limits, most, deepest", [((1.0, 0.0), 1, 1), ((0.0, 1.0), 4, 1)],
+                         ids=["min_prob=1: one draft", "expand_prob=1: one level"])
+def test_pruning_at_certainty_drafts_one_draft_or_one_level(tiny_target, eagle3_head, prompts,
+                                                            hf_greedy, limits, most, deepest):
+    engine = engine_for(tiny_target, eagle3_head, max_running=2, pruning=DraftPruning(*limits))
+    drafts = record_drafts(engine)
+    params = [tree(4, 3, 8), tree(1, 5, 5)]
+    results = engine.generate(prompts[2:4], params)
+    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts[2:4]]
+    assert drafts and max(len(t) for t, _, _ in drafts) == most
+    assert max(max(depths(p), default=0) for _, p, _ in drafts) == deepest
