@@ -8,6 +8,7 @@ group, so closing it also ends the Python backend stubs it spawned.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ class TritonServer:
     grpc_port: int
     metrics_port: int
     process: subprocess.Popen = field(repr=False)
+    admin_key: str = field(default="", repr=False)  # the eagle-admin-key header of the admin APIs
     ready_after_s: float = 0.0  # seconds from launch to /v2/health/ready
 
     @property
@@ -89,12 +91,13 @@ def launch(name: str, repo: Path, log_path: Path, model_config_name: str | None 
     """Start tritonserver on `repo` and wait until it is ready; on failure stop it and raise
     with the tail of its log."""
     http, grpc, metrics = free_ports(3)
+    admin = secrets.token_urlsafe(16)
     cmd = server_command(repo, http, grpc, metrics, ["--exit-timeout-secs=3"],
-                         model_config_name)
+                         model_config_name, admin=admin)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                    env=server_environment(), start_new_session=True)
-    server = TritonServer(name, repo, log_path, http, grpc, metrics, process)
+    server = TritonServer(name, repo, log_path, http, grpc, metrics, process, admin)
     started = time.monotonic()
     try:
         wait_ready(server, started + timeout_s)

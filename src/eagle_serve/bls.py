@@ -6,13 +6,23 @@ read the same tensors back. Tensors cross processes through DLPack (GPU tensors 
 on KIND_GPU instances). Each model reports an epoch (random per process start): a changed
 epoch means the model's KV tensors are gone, and the engine recomputes (`KVLost`).
 
+Every call carries the server's internal key (`eagle_serve.internal_key`): the workers answer
+nobody else. A call that does not return within `timeout_s` raises `ModelTimeout` (the model
+process is stuck: the engine cannot go on); an error response raises `ModelCallError`.
+
 Only `triton_python_backend_utils` (passed in as `pb`) ties this to Triton.
 """
 from __future__ import annotations
 
+import concurrent.futures
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import torch
 
-from eagle_serve.interfaces import DraftOutput, KVLost, RaggedBatch, RowSampling, TargetOutput
+from eagle_serve import internal_key
+from eagle_serve.interfaces import (DraftOutput, KVLost, ModelTimeout, RaggedBatch, RowSampling,
+                                    TargetOutput)
 
 BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "block_tables", "slot_mapping")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
@@ -60,20 +70,28 @@ def optional_pair(pb, request, names: tuple[str, str], device) -> tuple | None:
     return None if a is None or b is None else (a.to(device), b.to(device))
 
 
+class ModelCallError(RuntimeError):
+    """The model answered a call with an error."""
+
+
 class _BlsModel:
-    def __init__(self, pb, model_name: str, device):
+    def __init__(self, pb, model_name: str, device, key: str, timeout_s: float = 0.0):
         self.pb, self.model_name, self.device = pb, model_name, torch.device(device)
+        self.key, self.timeout_s = key, timeout_s
         self.epoch: int | None = None
+        self._caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"bls-{model_name}")
 
     def call(self, inputs: list, outputs: list[str]) -> dict[str, torch.Tensor]:
         pb = self.pb
         kwargs = {}
         if self.device.type == "cuda":
             kwargs["preferred_memory"] = pb.PreferredMemory(pb.TRITONSERVER_MEMORY_GPU, self.device.index or 0)
-        response = pb.InferenceRequest(model_name=self.model_name, inputs=inputs,
-                                       requested_output_names=outputs + ["epoch"], **kwargs).exec()
+        key = pb.Tensor(internal_key.INPUT_NAME, np.array([self.key.encode()], dtype=np.object_))
+        request = pb.InferenceRequest(model_name=self.model_name, inputs=inputs + [key],
+                                      requested_output_names=outputs + ["epoch"], **kwargs)
+        response = self._exec(request)
         if response.has_error():
-            raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+            raise ModelCallError(f"{self.model_name}: {response.error().message()}")
         result = {name: output_tensor(pb, response, name) for name in outputs + ["epoch"]}
         epoch = int(result.pop("epoch")[0])
         if self.epoch is not None and epoch != self.epoch:
@@ -82,10 +100,21 @@ class _BlsModel:
         self.epoch = epoch
         return {k: v.to(self.device) for k, v in result.items() if v is not None}
 
+    def _exec(self, request):
+        if not self.timeout_s:
+            return request.exec()
+        future = self._caller.submit(request.exec)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ModelTimeout(f"{self.model_name} did not answer within {self.timeout_s:g} s "
+                               f"(model_call_timeout_s)") from None
+
 
 class BlsTarget(_BlsModel):
-    def __init__(self, pb, vocab_size: int, device="cpu", model_name: str = "eagle_target"):
-        super().__init__(pb, model_name, device)
+    def __init__(self, pb, vocab_size: int, device="cpu", *, key: str, timeout_s: float = 0.0,
+                 model_name: str = "eagle_target"):
+        super().__init__(pb, model_name, device, key, timeout_s)
         self.vocab_size = vocab_size
 
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
@@ -102,8 +131,9 @@ class BlsTarget(_BlsModel):
 
 
 class BlsDrafter(_BlsModel):
-    def __init__(self, pb, vocab_size: int, device="cpu", model_name: str = "eagle_drafter"):
-        super().__init__(pb, model_name, device)
+    def __init__(self, pb, vocab_size: int, device="cpu", *, key: str, timeout_s: float = 0.0,
+                 model_name: str = "eagle_drafter"):
+        super().__init__(pb, model_name, device, key, timeout_s)
         self.vocab_size = vocab_size
 
     def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,

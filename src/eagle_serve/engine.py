@@ -31,19 +31,26 @@ The engine knows token ids, pages and slots; the models behind `TargetRunner` an
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import random
 import threading
+import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from eagle_serve.interfaces import (DrafterRunner, KVLost, RaggedBatch, RowSampling, TargetRunner,
-                                    ancestor_mask, tree_depths)
+from eagle_serve.interfaces import (DrafterRunner, KVLost, ModelTimeout, RaggedBatch, RowSampling,
+                                    TargetRunner, ancestor_mask, tree_depths)
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.stopping import StopChecker
 from eagle_serve.workspace import DraftWorkspace
 from kernels.rejection import greedy_accept, greedy_tree_accept, random_accept
+
+
+log = logging.getLogger(__name__)
 
 
 class EngineBusy(RuntimeError):
@@ -69,6 +76,11 @@ class EngineConfig:
     max_draft_depth: int = 8
     max_tree_batch: int = 0           # trees are drafted while at most this many requests run;
     #                                   beyond, a tree request drafts a chain of its depth (0 = always)
+    request_timeout_s: float = 0.0    # a request still unfinished this long after arrival fails
+    #                                   (0 = no deadline)
+    max_queue_time_s: float = 0.0     # a request waiting this long for admission fails (0 = no limit)
+    max_stop_strings: int = 32        # stop strings of one request
+    max_stop_bytes: int = 4096        # their total UTF-8 size
 
     def validate(self) -> None:
         if not 1 <= self.draft_topk <= self.max_draft_topk:
@@ -102,7 +114,8 @@ class SamplingParams:
     def validate(self, max_k: int, max_topk: int = 8, max_depth: int = 8) -> None:
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
             (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= max_k,
@@ -130,9 +143,12 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_rounds: int
+    error: str = ""             # the request failed: a message for its client (finished, no reason)
+    error_code: str = ""        # then: "INTERNAL" (a model call failed) or "UNAVAILABLE" (limits)
+    cause: BaseException | None = field(default=None, repr=False)  # what failed (logged, not sent)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in self.running` must not compare fields
 class _Request:
     id: str
     prompt_len: int
@@ -158,6 +174,13 @@ class _Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_rounds: int = 0
+    arrived_at: float = field(default_factory=time.monotonic)
+    admitted: bool = False          # has run at least one round since it arrived
+    suspect: bool = False           # was in a batch whose model call failed: runs alone until a
+    #                                 round of its own succeeds
+    error: str = ""                 # set when the request failed
+    error_code: str = ""
+    cause: BaseException | None = None
 
     @property
     def output(self) -> list[int]:
@@ -223,12 +246,23 @@ class Engine:
                         cfg.max_draft_depth)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        vocab = self.target.vocab_size
+        bad = [i for i in prompt_ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:8]}")
         k = cfg.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
         k = k if self.drafter else 0
         total = len(prompt_ids) + params.max_tokens
         if total > cfg.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({cfg.max_model_len})")
+        if len(params.stop) > cfg.max_stop_strings:
+            raise ValueError(f"at most {cfg.max_stop_strings} stop strings are allowed, got "
+                             f"{len(params.stop)}")
+        stop_bytes = sum(len(s.encode("utf-8")) for s in params.stop)
+        if stop_bytes > cfg.max_stop_bytes:
+            raise ValueError(f"stop strings may total at most {cfg.max_stop_bytes} bytes, got "
+                             f"{stop_bytes}")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         stop = StopChecker(self.tokenizer, params.stop) if params.stop else None
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -273,42 +307,108 @@ class Engine:
         next round. With defer_draft the drafting is left to `draft()`, so a caller can stream
         this round's outputs while the drafter runs (the outputs do not depend on it); call
         `draft()` before the next step."""
+        assert not self._pending_draft, "call draft() after step(defer_draft=True)"
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
+        self._expire(outputs)
         self._schedule()
         work = []
-        if self.running:
+        reqs = self._round_requests()
+        if reqs:
             try:
-                batch, logit_rows, sampling, plan, moves = self._target_batch()
+                batch, logit_rows, sampling, plan, moves = self._target_batch(reqs)
                 result = self.target.forward(batch, logit_rows, sampling,
                                              **({"kv_moves": moves} if moves else {}))
                 self.stats.steps += 1
                 emitted, paths = self._accept(result, plan)
                 work = self._advance(result.hidden, plan, emitted, paths)
+                for req in reqs:
+                    if not req.k or req.finish_reason:  # a full round of its own: no drafting
+                        req.suspect = False
             except KVLost:  # tokens verified so far stand; all KV is recomputed
                 self._preempt_all()
+            except ModelTimeout:
+                raise
+            except Exception as error:  # noqa: BLE001: a model call failed for this batch
+                self._model_failed(reqs, "eagle_target", error)
         for req in list(self.running):
             out = self._output(req)
             if out is not None:
                 outputs.append(out)
-            if req.finish_reason:
+            if req.finish_reason or req.error:
                 self._release(req)
                 self.running.remove(req)
         self._pending_draft = work
         if not defer_draft:
-            self.draft()
+            outputs += self.draft()
         return outputs
 
     @torch.inference_mode()
-    def draft(self) -> None:
-        """Propose the next round's drafts for the requests the last step advanced."""
+    def draft(self) -> list[RequestOutput]:
+        """Propose the next round's drafts for the requests the last step advanced. -> outputs
+        of requests that failed in the drafter call (usually none)."""
         running = {id(req) for req in self.running}  # none left since, unless failed
         work = [(req, rows) for req, rows in self._pending_draft if id(req) in running]
         self._pending_draft = []
         try:
             self._draft(work)
+            for req, _ in work:
+                req.suspect = False
         except KVLost:
             self._preempt_all()
+        except ModelTimeout:
+            raise
+        except Exception as error:  # noqa: BLE001: a model call failed for this batch
+            self._model_failed([req for req, _ in work], "eagle_drafter", error)
+        failed = []
+        for req in [r for r in self.running if r.error]:
+            failed.append(self._output(req, force=True))
+            self._release(req)
+            self.running.remove(req)
+        return failed
+
+    def _round_requests(self) -> list[_Request]:
+        """The requests verified this round: all running ones, or a suspect alone."""
+        suspects = [r for r in self.running if r.suspect]
+        return suspects[:1] if suspects else list(self.running)
+
+    def _model_failed(self, reqs: list[_Request], model: str, error: Exception) -> None:
+        """A model call failed for `reqs`. Alone, the request fails with a generic message (the
+        details go to the log under an error id); in a batch, every request of it is recomputed
+        and runs alone until one of its rounds succeeds, so only the culprit fails."""
+        if len(reqs) == 1:
+            error_id = uuid.uuid4().hex[:12]
+            log.error("request %s failed in %s (error id %s): %s", reqs[0].id, model, error_id,
+                      error, exc_info=error)
+            reqs[0].error = (f"internal error while serving request {reqs[0].id} (error id "
+                             f"{error_id}); the server log has the details")
+            reqs[0].error_code, reqs[0].cause = "INTERNAL", error
+            return
+        log.warning("%s failed for a batch of %d requests (%s); retrying each alone", model,
+                    len(reqs), error)
+        for req in reqs:
+            req.suspect = True
+            if req in self.running:  # a partial forward may have written KV: recompute
+                self._preempt(req)
+
+    def _expire(self, outputs: list[RequestOutput]) -> None:
+        """Fail requests past the queue-time limit or the request deadline."""
+        cfg, now = self.config, time.monotonic()
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                age = now - req.arrived_at
+                if cfg.max_queue_time_s and not req.admitted and age > cfg.max_queue_time_s:
+                    req.error = (f"server busy: request {req.id} waited {age:.0f} s for a place "
+                                 f"in the batch (max_queue_time_s {cfg.max_queue_time_s:g})")
+                elif cfg.request_timeout_s and age > cfg.request_timeout_s:
+                    req.error = (f"request {req.id} exceeded the server's deadline of "
+                                 f"{cfg.request_timeout_s:g} s")
+                else:
+                    continue
+                req.error_code = "UNAVAILABLE"
+                self._release(req)
+                queue.remove(req)
+                outputs.append(self._output(req, force=True))
 
     def _preempt_all(self) -> None:
         for req in list(reversed(self.running)):
@@ -349,6 +449,7 @@ class Engine:
                 self._release(req)
                 break
             self.running.append(self.waiting.popleft())
+            req.admitted = True
         self.running.sort(key=lambda r: r.arrival)
 
     def fail_all(self) -> list[str]:
@@ -380,14 +481,14 @@ class Engine:
 
     # ---- verify ----
 
-    def _target_batch(self):
+    def _target_batch(self, reqs: list[_Request]):
         """Rows of each request: tokens it has not computed + its drafts (node i stored at
         position len(tokens) + i, RoPE position len(tokens) - 1 + depth_i). A request that was
         preempted after emitting tokens recomputes all but its last token and samples nothing.
         -> batch, logit rows, their sampling, plan, pending KV moves (src, dst slots) or None"""
         ids, positions, cu, seq_lens, slots, logit_rows, rows_sampling, plan = [], [], [0], [], [], [], [], []
         shapes, src, dst = [], [], []
-        for req in self.running:
+        for req in reqs:
             start = req.num_computed
             resume = len(req.output) > 0 and start < len(req.tokens) - 1
             real = req.tokens[start:len(req.tokens) - 1 if resume else len(req.tokens)]
@@ -409,7 +510,7 @@ class Engine:
             req.kv_moves = []
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         tree_mask = None
-        if any(req.is_tree for req in self.running):
+        if any(req.is_tree for req in reqs):
             masks = [self._verify_mask(n, parents) for n, parents in shapes]
             width = max(m.shape[0] for m in masks)
             tree_mask = torch.zeros((len(masks), width, width), dtype=torch.bool)
@@ -417,7 +518,7 @@ class Engine:
                 tree_mask[b, :m.shape[0], :m.shape[0]] = m
             tree_mask = tree_mask.to(self.device)
         batch = RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens),
-                            self._tables([r.target_pages for r in self.running]), t(slots),
+                            self._tables([r.target_pages for r in reqs]), t(slots),
                             tree_mask=tree_mask)
         moves = (t(src), t(dst)) if src else None
         return batch, t(logit_rows), self._row_sampling(rows_sampling), plan, moves
@@ -604,6 +705,10 @@ class Engine:
     # ---- results ----
 
     def _output(self, req: _Request, force: bool = False) -> RequestOutput | None:
+        if req.error:
+            return RequestOutput(req.id, [], True, "", req.prompt_len, len(req.output),
+                                 req.num_draft_tokens, req.num_accepted_tokens, req.num_rounds,
+                                 error=req.error, error_code=req.error_code, cause=req.cause)
         upto = len(req.output)
         if req.stop is not None and not req.finish_reason:
             upto = req.stop.safe_upto(req.output)
@@ -619,12 +724,15 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list["Completion"]:
-        """Run requests to completion (library use and tests)."""
+        """Run requests to completion (library use and tests); a request that fails raises what
+        made it fail."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         done: dict[str, Completion] = {i: Completion([], "", None) for i in ids}
         while any(not c.finish_reason for c in done.values()):
             for out in self.step():
+                if out.error:
+                    raise (out.cause or RuntimeError(out.error))
                 c = done[out.request_id]
                 c.token_ids += out.new_token_ids
                 c.finish_reason, c.last = out.finish_reason, out

@@ -17,6 +17,10 @@ class KVLost(RuntimeError):
     """A model process lost its KV cache (it restarted); every running request recomputes."""
 
 
+class ModelTimeout(RuntimeError):
+    """A model call did not return in time: the model process is stuck, the engine is broken."""
+
+
 @dataclass
 class RaggedBatch:
     """New tokens of several requests in one flat batch, against a paged KV cache.

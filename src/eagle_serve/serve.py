@@ -2,12 +2,20 @@
 
 `server_command` and `server_environment` are shared by `make serve` and the test fixtures, so
 the tests start the server exactly as users do.
+
+Safe by default: Triton's admin APIs (model repository, model config, shared memory,
+statistics, trace, logging) answer only requests with the header `eagle-admin-key: <key>` on
+HTTP, `triton-grpc-protocol-eagle-admin-key: <key>` on gRPC (Triton's prefix); the key comes
+from `EAGLE_ADMIN_KEY` or is generated and printed at start.
+Health, metadata and inference stay open; eagle_target and eagle_drafter refuse every caller
+but spec_decode (eagle_serve.internal_key).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import secrets
 import sys
 import sysconfig
 from pathlib import Path
@@ -42,8 +50,19 @@ def _wheel_libs() -> Path:
     return Path(spec.submodule_search_locations[0]).parent / "nvidia_pytriton.libs"
 
 
+ADMIN_APIS = "model-repository,model-config,shared-memory,statistics,trace,logging"
+ADMIN_HEADER = "eagle-admin-key"
+
+
+def admin_key() -> str:
+    """`EAGLE_ADMIN_KEY`, else a new random key."""
+    return os.environ.get("EAGLE_ADMIN_KEY") or secrets.token_urlsafe(24)
+
+
 def server_command(model_repository: Path, http_port: int, grpc_port: int, metrics_port: int,
-                   extra: list[str] = (), model_config_name: str | None = None) -> list[str]:
+                   extra: list[str] = (), model_config_name: str | None = None,
+                   admin: str | None = None) -> list[str]:
+    """admin: the key of the admin APIs (None = a new random one: nobody can use them)."""
     tree = paths.tritonserver_dir()
     binary = tree / "bin" / "tritonserver"
     if not binary.exists():
@@ -54,6 +73,8 @@ def server_command(model_repository: Path, http_port: int, grpc_port: int, metri
            f"--metrics-port={metrics_port}", "--allow-metrics=true",
            "--model-control-mode=none", "--exit-on-error=true",
            "--log-verbose=0"]
+    restricted = f"{ADMIN_APIS}:{ADMIN_HEADER}={admin or secrets.token_urlsafe(24)}"
+    cmd += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
     if model_config_name:
         cmd.append(f"--model-config-name={model_config_name}")
     return cmd + list(extra)
@@ -68,11 +89,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="exec tritonserver directly (no restart when a model process dies)")
     args, extra = parser.parse_known_args(argv)
     http_port = int(os.environ.get("HTTP_PORT", 8000))
+    key = admin_key()
     cmd = server_command(Path(args.model_repository), http_port,
                          int(os.environ.get("GRPC_PORT", 8001)),
                          int(os.environ.get("METRICS_PORT", 8002)),
-                         ["--exit-timeout-secs=10", *extra], args.model_config_name)
-    print(" ".join(cmd), flush=True)
+                         ["--exit-timeout-secs=10", *extra], args.model_config_name, admin=key)
+    print(" ".join(c.replace(key, "<admin key>") for c in cmd), flush=True)
+    if not os.environ.get("EAGLE_ADMIN_KEY"):
+        print(f"admin APIs ({ADMIN_APIS}) need the header '{ADMIN_HEADER}: {key}' (gRPC: "
+              f"'triton-grpc-protocol-{ADMIN_HEADER}'); set EAGLE_ADMIN_KEY to choose the key",
+              flush=True)
     if args.no_supervise:
         os.execve(cmd[0], cmd, server_environment())  # signals go straight to tritonserver
     from eagle_serve.supervisor import supervise

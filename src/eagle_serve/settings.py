@@ -37,6 +37,12 @@ class ServingSettings:
     #                                            verified (the first always is); 0 = off
     draft_expand_prob: float = 0.0             # draft deeper only while a draft reaches this; 0 = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
+    max_stop_strings: int = 32                 # stop strings of one request
+    max_stop_bytes: int = 4096                 # their total UTF-8 size
+    model_call_timeout_s: float = 120.0        # a target/drafter call slower than this means a
+    #                                            stuck model process: the server restarts
+    request_timeout_s: float = 600.0           # a request unfinished after this fails (0 = never)
+    max_queue_time_s: float = 120.0            # a request waiting longer to start fails (0 = never)
     target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
     engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
@@ -95,7 +101,9 @@ class ServingSettings:
             num_drafter_pages=self.num_drafter_pages, num_draft_slots=self.num_draft_slots,
             eos_token_ids=eos_token_ids, draft_topk=self.draft_topk, draft_depth=self.draft_depth,
             max_draft_topk=self.max_draft_topk, max_draft_depth=self.max_draft_depth,
-            max_tree_batch=self.max_tree_batch)
+            max_tree_batch=self.max_tree_batch, request_timeout_s=self.request_timeout_s,
+            max_queue_time_s=self.max_queue_time_s, max_stop_strings=self.max_stop_strings,
+            max_stop_bytes=self.max_stop_bytes)
 
 
 def tokenizer_dir(value: str, repo_dir: Path) -> Path:

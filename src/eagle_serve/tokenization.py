@@ -68,15 +68,24 @@ def stable_prefix(text: str) -> str:
     return text[:end]
 
 
-def decode_delta(tokenizer, prev_ids: Sequence[int], new_ids: Sequence[int], final: bool,
-                 skip_special_tokens: bool = True) -> str:
-    """Text added by `new_ids` after `prev_ids`: decode(prev + new) minus the stable part of
-    decode(prev); a trailing incomplete character is held back unless `final`."""
+def split_delta(tokenizer, prev_ids: Sequence[int], new_ids: Sequence[int],
+                skip_special_tokens: bool = True) -> tuple[str, str]:
+    """Text added by `new_ids` after `prev_ids` -> (the part later ids cannot change, the held-back
+    tail: trailing U+FFFD of an incomplete character). The text is decode(prev + new) minus the
+    stable part of decode(prev)."""
     prev_ids, new_ids = list(prev_ids), list(new_ids)
     before = stable_prefix(decode(tokenizer, prev_ids, skip_special_tokens))
     after = decode(tokenizer, prev_ids + new_ids, skip_special_tokens)
-    end = len(after) if final else len(stable_prefix(after))
-    return after[len(before):max(end, len(before))]
+    end = max(len(stable_prefix(after)), len(before))
+    return after[len(before):end], after[end:]
+
+
+def decode_delta(tokenizer, prev_ids: Sequence[int], new_ids: Sequence[int], final: bool,
+                 skip_special_tokens: bool = True) -> str:
+    """Text added by `new_ids` after `prev_ids`; a trailing incomplete character is held back
+    unless `final`."""
+    done, held = split_delta(tokenizer, prev_ids, new_ids, skip_special_tokens)
+    return done + held if final else done
 
 
 def detok_window(all_output_ids: Sequence[int], num_already_sent: int) -> list[int]:

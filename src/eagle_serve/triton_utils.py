@@ -8,7 +8,10 @@ guessing how to pad ragged outputs. Knows nothing about tokenizers or the engine
 """
 from __future__ import annotations
 
+import os
+import signal
 import traceback
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -136,15 +139,32 @@ def error_response(message: str, code: str = "INVALID_ARG"):
 
 def respond_each(requests, handler: Callable[[object], list]) -> list:
     """One response per request from `handler(request) -> output tensors`. A failing request
-    gets its own error response; the others in the batch are answered normally."""
+    gets its own error response (a RequestError's message, or a generic one with an error id
+    for a bug, whose details go to the log); the others in the batch are answered normally."""
     responses = []
     for request in requests:
         try:
             responses.append(pb().InferenceResponse(output_tensors=handler(request)))
         except RequestError as error:
             responses.append(error_response(str(error)))
-        except Exception as error:  # a bug: log it, still answer only this request with it
-            pb().Logger.log_error(traceback.format_exc())
-            responses.append(error_response(f"internal error: {type(error).__name__}: {error}",
-                                            "INTERNAL"))
+        except Exception:  # a bug: log it, answer only this request, without internals
+            error_id = uuid.uuid4().hex[:12]
+            pb().Logger.log_error(f"error id {error_id}:\n{traceback.format_exc()}")
+            responses.append(error_response(f"internal error (error id {error_id}); the server "
+                                            f"log has the details", "INTERNAL"))
     return responses
+
+
+def stop_server(reason: str) -> None:
+    """Ask the tritonserver this model process belongs to to shut down (SIGTERM: open requests
+    end, then it exits), so that whatever supervises it (`make serve`'s supervisor, compose,
+    Kubernetes) starts it again. Triton keeps reporting ready while a model process is stuck or
+    dead, so exiting is how a broken model turns readiness red."""
+    import psutil
+
+    server = psutil.Process(os.getppid())
+    if server.name() != "tritonserver":
+        pb().Logger.log_error(f"not stopping {server.name()} (pid {server.pid}): not tritonserver")
+        return
+    pb().Logger.log_error(f"stopping tritonserver (pid {server.pid}): {reason}")
+    server.send_signal(signal.SIGTERM)

@@ -3,14 +3,22 @@
 Each worker loads its model once (settings from spec_decode's config.pbtxt, device from the
 instance kind), then turns request tensors into a forward / propose call and back. An epoch
 drawn at start-up goes out with every response so spec_decode can tell a restarted process.
+A request without the server's internal key is refused before any tensor is read: only
+spec_decode may call the workers (see eagle_serve.internal_key).
+
+Test hook: a worker whose config has the parameter `test_hang_file` stalls every call while that
+file exists (the tests' way to make a model process hang).
 """
 from __future__ import annotations
 
 import json
 import random
+import time
+from pathlib import Path
 
 import torch
 
+from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
 from eagle_serve.bls import batch_from_request, input_tensor, optional_pair, response_tensors
 from eagle_serve.settings import read_settings
@@ -26,7 +34,12 @@ class _Worker:
     role = ""
 
     def __init__(self, args: dict):
-        tu.require_single_instance(json.loads(args["model_config"]))
+        config = json.loads(args["model_config"])
+        tu.require_single_instance(config)
+        self.name = config.get("name", self.role)
+        self.key = internal_key.server_key()
+        hang = tu.model_parameters(config).get("test_hang_file")
+        self.hang_file = Path(hang) if hang else None
         self.repo = tu.repository_dir(args)
         self.settings = read_settings(self.repo)
         self.device = instance_device(args)
@@ -35,6 +48,16 @@ class _Worker:
         self.epoch = random.getrandbits(62)
         if self.device.type == "cpu":
             self.settings.apply_threads(self.role)
+
+    def check_caller(self, pb, request) -> None:
+        """Refuse a request that does not carry the internal key (anyone but spec_decode)."""
+        sent = pb.get_input_tensor_by_name(request, internal_key.INPUT_NAME)
+        value = None if sent is None else sent.as_numpy().reshape(-1)[:1]
+        if value is None or value.size != 1 or not internal_key.is_valid(value[0], self.key):
+            raise tu.RequestError(f"{self.name} is internal: only spec_decode may call it; send "
+                                  f"requests to the ensemble or to spec_decode")
+        while self.hang_file is not None and self.hang_file.exists():
+            time.sleep(0.1)
 
 
 class TargetWorker(_Worker):
@@ -53,6 +76,7 @@ class TargetWorker(_Worker):
                                  feature_layers=layers)
 
     def handle(self, pb, request) -> list:
+        self.check_caller(pb, request)
         batch, sampling = batch_from_request(pb, request, self.device)
         rows = input_tensor(pb, request, "logit_rows").to(self.device)
         moves = optional_pair(pb, request, ("kv_move_src", "kv_move_dst"), self.device)
@@ -75,6 +99,7 @@ class DrafterWorker(_Worker):
                                         page_size=s.page_size, pruning=s.draft_pruning())
 
     def handle(self, pb, request) -> list:
+        self.check_caller(pb, request)
         if self.drafter is None:
             raise tu.RequestError("no drafter is configured (drafter_model is none)")
         batch, sampling = batch_from_request(pb, request, self.device)

@@ -4,6 +4,7 @@ import json
 import triton_python_backend_utils as pb_utils
 from transformers import AutoConfig, AutoTokenizer
 
+from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
 from eagle_serve.bls import BlsDrafter, BlsTarget
 from eagle_serve.engine import Engine
@@ -24,12 +25,15 @@ class TritonPythonModel:
         if device.type == "cpu":
             settings.apply_threads("engine")
         vocab = AutoConfig.from_pretrained(str(target_dir)).vocab_size
-        target = BlsTarget(pb_utils, vocab, device)
-        drafter = BlsDrafter(pb_utils, vocab, device) if drafter_dir is not None else None
+        bls = dict(key=internal_key.server_key(), timeout_s=settings.model_call_timeout_s)
+        target = BlsTarget(pb_utils, vocab, device, **bls)
+        drafter = BlsDrafter(pb_utils, vocab, device, **bls) if drafter_dir is not None else None
         engine = Engine(target, drafter, settings.engine_config(eos_token_ids(target_dir)),
                         tokenizer=AutoTokenizer.from_pretrained(str(target_dir)), device=device)
         metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)
-        self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes)
+        self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes,
+                                         draft_timeout_s=settings.model_call_timeout_s,
+                                         on_broken=tu.stop_server)
 
     def execute(self, requests):
         for request in requests:
@@ -38,3 +42,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        internal_key.forget_server_key()
