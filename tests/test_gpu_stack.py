@@ -21,6 +21,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from eagle_serve import serve
 from eagle_serve.serve import CONTAINER_TREE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +132,27 @@ def test_the_image_runs_the_supervisor_on_the_gpu_configs():
 def test_the_image_installs_the_gpu_pins():
     assert re.search(r"^RUN pip install -r requirements-gpu\.txt", dockerfile(), re.M)
     assert "COPY requirements-gpu.txt" in dockerfile()
+
+
+def test_the_launcher_finds_tritonserver_in_the_cache_the_container_or_the_environment(
+        tmp_path, monkeypatch):
+    cache, container = tmp_path / "cache-tree", tmp_path / "opt-tritonserver"
+    monkeypatch.setattr(serve.paths, "tritonserver_dir", lambda: cache)
+    monkeypatch.setattr(serve, "CONTAINER_TREE", container)
+    monkeypatch.delenv("TRITONSERVER_DIR", raising=False)
+    assert serve.tritonserver_tree() == cache  # neither exists: `make setup` makes the cache's
+    container.mkdir()
+    assert serve.tritonserver_tree() == container
+    cache.mkdir()
+    assert serve.tritonserver_tree() == cache
+    monkeypatch.setenv("TRITONSERVER_DIR", str(tmp_path / "elsewhere"))
+    assert serve.tritonserver_tree() == tmp_path / "elsewhere"
+
+
+def test_without_the_pytriton_wheel_the_server_environment_leaves_library_paths_alone(monkeypatch):
+    monkeypatch.setattr(serve, "_wheel_libs", lambda: None)
+    env = serve.server_environment({"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64"})
+    assert env["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
 
 
 # ----------------------------------------------------------------------------- pins
