@@ -120,7 +120,7 @@ def test_the_dockerfile_builds_on_the_documented_base_image():
 
 def test_the_image_runs_the_supervisor_on_the_gpu_configs():
     entry = instruction("ENTRYPOINT")
-    assert entry[0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's: CUDA forward compatibility
+    assert entry[0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's start-up checks
     assert entry[1:4] == ["python3", "-m", "eagle_serve.serve"]
     assert "--model-config-name=gpu" in entry and "--no-supervise" not in entry
     assert instruction("CMD") == ["--model-repository=/opt/eagle-serve/model_repository"]
