@@ -10,8 +10,9 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
+GPU_CHECK_ARGS ?=
 
-.PHONY: setup serve test test-fast clean-cache
+.PHONY: setup serve test test-fast gpu-check clean-cache
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (pyenv install 3.11)"; exit 1; }
@@ -38,6 +39,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not server and not slow" $(PYTEST_ARGS)
+
+# Once on a GPU machine: kernels compiled and checked, k=0 vs the default draft shape (without
+# a GPU: the same checks on CPU). In the GPU image: docker compose run --rm --entrypoint
+# /opt/nvidia/nvidia_entrypoint.sh triton python3 -m eagle_serve.gpu_check
+gpu-check: setup
+	$(PY) -m eagle_serve.gpu_check $(GPU_CHECK_ARGS)
 
 clean-cache:
 	rm -rf $(EAGLE_CACHE)

@@ -216,8 +216,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     if tokens == 0:
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    block_w = min(triton.next_power_of_2(width), 1024)
-    block_t = min(triton.next_power_of_2(tokens), max(1, 4096 // block_w))
+    block_t, block_w = kv_write_tile(tokens, width)
     _write_kv_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_w))](
         k.reshape(tokens, width), v.reshape(tokens, width), k_cache, v_cache,
         slot_mapping.to(k_cache.device, torch.int64).contiguous(), tokens, width, num_slots,
@@ -248,8 +247,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert tree_mask.ndim == 3 and tree_mask.shape[0] == num_req
         assert tree_mask.shape[1] == tree_mask.shape[2] >= max_q
         tree_mask = tree_mask.to(device, torch.int8).contiguous()
-    block_m = max(16, min(64, triton.next_power_of_2(group * max_q)), triton.next_power_of_2(group))
-    block_q = block_m // group
+    block_m, block_q = attention_tile(group, max_q)
     tables = block_tables.to(device, torch.int64).contiguous()
     tree = tree_mask if tree_mask is not None else tables  # any tensor; unused without a tree
     _paged_attention_kernel[(num_req, triton.cdiv(max_q, block_q), kv_heads)](
@@ -260,15 +258,33 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         tree.stride(0), tree.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None, PRECISION=attention_precision(q.dtype))
     return out
+
+
+# Launch parameters (kernels/warmup.py enumerates what these functions can return).
+
+def kv_write_tile(tokens: int, width: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_W) of _write_kv_kernel for `tokens` rows of `width` (kv_heads * D)."""
+    block_w = min(triton.next_power_of_2(width), 1024)
+    return min(triton.next_power_of_2(tokens), max(1, 4096 // block_w)), block_w
+
+
+def attention_tile(group: int, max_q: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q) of _paged_attention_kernel: a tile holds BLOCK_Q queries of each of the
+    `group` q heads sharing a kv head; max_q: the most new tokens of a request in the batch."""
+    block_m = max(16, min(64, triton.next_power_of_2(group * max_q)), triton.next_power_of_2(group))
+    return block_m, block_m // group
+
+
+def attention_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, W, S,
                      BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
     # k, v: [T, W] (W = kv_heads * head_dim); caches: [S, W] (S = num_pages * page_size);
@@ -285,7 +301,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, W, S,
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table", "stride_tree_b", "stride_tree_i"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_q_ptr, seq_lens_ptr, tree_ptr, out_ptr,
         scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,

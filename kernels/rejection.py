@@ -27,7 +27,7 @@ import triton.language as tl
 
 from kernels import use_kernel
 from kernels.sampling import (ACCEPT, RESIDUAL, SAMPLE, _race_block, _uniform, key_seed,
-                              keyed_uniform)
+                              keyed_uniform, vocab_row_tile)
 
 
 def greedy_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
@@ -181,7 +181,7 @@ def greedy_accept_triton(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
     out = torch.full((num_req, max_k + 1), -1, dtype=torch.int64, device=device)
     num = torch.zeros(num_req, dtype=torch.int64, device=device)
     if num_req:
-        block_b = min(triton.next_power_of_2(num_req), 128)
+        block_b = request_block(num_req)
         _greedy_accept_kernel[(triton.cdiv(num_req, block_b),)](
             drafts, cu_dev, target_argmax.to(torch.int64).contiguous(), out, num, num_req, max_k,
             out.stride(0), BLOCK_B=block_b)
@@ -217,12 +217,11 @@ def random_accept_triton(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     rows = target_probs.shape[0]
     recovered = torch.empty(rows, dtype=torch.int64, device=device)
-    block_v = min(triton.next_power_of_2(vocab), 1024)
-    block_r = min(triton.next_power_of_2(rows), max(1, 4096 // block_v))
+    block_r, block_v = vocab_row_tile(rows, vocab)
     _recover_kernel[(triton.cdiv(rows, block_r),)](
         target_probs, draft_probs, as_tensor(q_row), as_tensor(race_keys), recovered, rows, vocab,
         target_probs.stride(0), draft_probs.stride(0), BLOCK_R=block_r, BLOCK_V=block_v)
-    block_b = min(triton.next_power_of_2(num_req), 128)
+    block_b = request_block(num_req)
     _random_accept_kernel[(triton.cdiv(num_req, block_b),)](
         drafts, cu_dev, target_probs, draft_probs, as_tensor(accept_keys), recovered, out, num,
         num_req, max_k, vocab, target_probs.stride(0), draft_probs.stride(0), out.stride(0),
@@ -230,10 +229,15 @@ def random_accept_triton(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
     return out, num
 
 
+def request_block(num_req: int) -> int:
+    """BLOCK_B of the acceptance kernels: one lane per request (kernels/warmup.py)."""
+    return min(triton.next_power_of_2(num_req), 128)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "max_k", "stride_out"])
 def _greedy_accept_kernel(drafts_ptr, cu_ptr, argmax_ptr, out_ptr, num_ptr, B, max_k, stride_out,
                           BLOCK_B: tl.constexpr):
     # drafts: [N]; cu: [B+1]; argmax: [N+B]; out: [B, max_k+1] (-1 filled); num: [B].
@@ -258,7 +262,7 @@ def _greedy_accept_kernel(drafts_ptr, cu_ptr, argmax_ptr, out_ptr, num_ptr, B, m
     tl.store(num_ptr + reqs, k + 1, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _recover_kernel(p_ptr, q_ptr, q_row_ptr, keys_ptr, out_ptr, R, V, stride_p, stride_q,
                     BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     # p: [R, V] target; q: [N, V] draft; q_row: [R] (-1 = bonus row, no draft); keys: [R] int64;
@@ -285,7 +289,7 @@ def _recover_kernel(p_ptr, q_ptr, q_row_ptr, keys_ptr, out_ptr, R, V, stride_p, 
     tl.store(out_ptr + rows, tl.where(best_r > 0, idx_r, idx_p), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "max_k", "stride_out"])
 def _random_accept_kernel(drafts_ptr, cu_ptr, p_ptr, q_ptr, keys_ptr, recovered_ptr, out_ptr,
                           num_ptr, B, max_k, V, stride_p, stride_q, stride_out,
                           BLOCK_B: tl.constexpr):

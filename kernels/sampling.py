@@ -128,8 +128,7 @@ def compute_probs_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k:
     _probs_kernel[(rows,)](
         logits, temperature.to(device, torch.float32).contiguous(),
         top_k.to(device, torch.int64).contiguous(), top_p.to(device, torch.float32).contiguous(),
-        out, vocab, logits.stride(0), out.stride(0),
-        BLOCK_V=min(triton.next_power_of_2(vocab), 2048))
+        out, vocab, logits.stride(0), out.stride(0), BLOCK_V=probs_block(vocab))
     return out
 
 
@@ -142,12 +141,22 @@ def sample_triton(probs: torch.Tensor, seeds: list[int], positions: list[int],
     out = torch.empty(rows, dtype=torch.int64, device=probs.device)
     if rows == 0:
         return out
-    block_v = min(triton.next_power_of_2(vocab), 1024)
-    block_r = min(triton.next_power_of_2(rows), max(1, 4096 // block_v))
+    block_r, block_v = vocab_row_tile(rows, vocab)
     _sample_kernel[(triton.cdiv(rows, block_r),)](
         probs, key_seeds(seeds, positions, purpose, probs.device), out, rows, vocab,
         probs.stride(0), BLOCK_R=block_r, BLOCK_V=block_v)
     return out
+
+
+def probs_block(vocab: int) -> int:
+    """BLOCK_V of _probs_kernel (one program per row walks the vocabulary)."""
+    return min(triton.next_power_of_2(vocab), 2048)
+
+
+def vocab_row_tile(rows: int, vocab: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_V) of the kernels that race a tile of rows over the vocabulary."""
+    block_v = min(triton.next_power_of_2(vocab), 1024)
+    return min(triton.next_power_of_2(rows), max(1, 4096 // block_v)), block_v
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -195,7 +204,7 @@ def _race_block(p, key, cols, start, mask, best, best_idx):
     return tl.where(better, block_best, best), tl.where(better, block_idx, best_idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _sample_kernel(probs_ptr, seeds_ptr, out_ptr, R, V, stride_probs,
                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     # probs: [R, V]; seeds: [R] int64 (key_seed per row); out: [R] int64. Grid: (cdiv(R, BLOCK_R),)

@@ -38,7 +38,8 @@ def gather_rows(store, slots, impl: str | None = None):
     return gather_rows_ref(store, slots)
 
 
-def _blocks(n: int, d: int) -> tuple[int, int]:
+def row_tile(n: int, d: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_D) for n rows of width d (kernels/warmup.py enumerates them)."""
     block_d = min(triton.next_power_of_2(max(d, 1)), 1024)
     return min(triton.next_power_of_2(max(n, 1)), max(1, 4096 // block_d)), block_d
 
@@ -52,7 +53,7 @@ def scatter_rows_triton(store: torch.Tensor, slots: torch.Tensor, rows: torch.Te
     if n == 0:
         return
     rows = rows.to(store.device).contiguous()
-    block_n, block_d = _blocks(n, d)
+    block_n, block_d = row_tile(n, d)
     _scatter_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(d, block_d))](
         store, slots.to(store.device, torch.int64).contiguous(), rows, n, d, store.shape[0],
         store.stride(0), rows.stride(0), BLOCK_N=block_n, BLOCK_D=block_d)
@@ -66,7 +67,7 @@ def gather_rows_triton(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor
     out = torch.empty((n, d), dtype=store.dtype, device=store.device)
     if n == 0:
         return out
-    block_n, block_d = _blocks(n, d)
+    block_n, block_d = row_tile(n, d)
     _gather_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(d, block_d))](
         store, slots.to(store.device, torch.int64).contiguous(), out, n, d, store.shape[0],
         store.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_D=block_d)
@@ -76,7 +77,7 @@ def gather_rows_triton(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _scatter_rows_kernel(store_ptr, slots_ptr, rows_ptr, N, D, S, stride_store, stride_rows,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # store: [S, D]; slots: [N] int64; rows: [N, D]. Grid: (cdiv(N, BLOCK_N), cdiv(D, BLOCK_D))
@@ -89,7 +90,7 @@ def _scatter_rows_kernel(store_ptr, slots_ptr, rows_ptr, N, D, S, stride_store, 
              x.to(store_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _gather_rows_kernel(store_ptr, slots_ptr, out_ptr, N, D, S, stride_store, stride_out,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # store: [S, D]; slots: [N] int64; out: [N, D]. Grid as _scatter_rows_kernel.

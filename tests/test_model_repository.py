@@ -1,6 +1,7 @@
 """The model repository's configs agree with each other and parse into settings."""
 from __future__ import annotations
 
+import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
@@ -46,3 +47,11 @@ def test_settings_parse_numbers_and_refuse_bad_ones_by_name():
 def test_single_instance_models_ask_for_one_instance():
     for model in ("eagle_target", "eagle_drafter", "spec_decode", "postprocess"):
         assert sum(g.count or 1 for g in parse(REPO / model / "config.pbtxt").instance_group) == 1
+
+
+def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
+    import torch
+    assert ServingSettings(dtype="auto").torch_dtype(on_gpu=True) == torch.bfloat16
+    assert ServingSettings(dtype="float64").torch_dtype(on_gpu=False) == torch.float64
+    with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
+        ServingSettings(dtype="float64").torch_dtype(on_gpu=True)

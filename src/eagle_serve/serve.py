@@ -31,8 +31,10 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-    libdirs = [sysconfig.get_config_var("LIBDIR"), str(_wheel_libs()), env.get("LD_LIBRARY_PATH")]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libdirs if p)
+    wheel_libs = _wheel_libs()
+    if wheel_libs is not None:  # the NVIDIA container's tree finds its libraries itself
+        libdirs = [sysconfig.get_config_var("LIBDIR"), str(wheel_libs), env.get("LD_LIBRARY_PATH")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libdirs if p)
     env.setdefault("EAGLE_CACHE", str(paths.cache_dir()))
     # The models run one after another in separate processes: libgomp's default (spin ~300k
     # rounds, ~10 ms here) keeps the target's OpenMP workers spinning on a core through the
@@ -43,13 +45,15 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _wheel_libs() -> Path:
+def _wheel_libs() -> Path | None:
+    """The libraries of the nvidia-pytriton wheel's tree; None where it is not installed."""
     spec = importlib.util.find_spec("pytriton")
     if spec is None:
-        raise SystemExit("nvidia-pytriton is not installed: run `make setup`")
+        return None
     return Path(spec.submodule_search_locations[0]).parent / "nvidia_pytriton.libs"
 
 
+CONTAINER_TREE = Path("/opt/tritonserver")  # where the NVIDIA Triton container has it
 ADMIN_APIS = "model-repository,model-config,shared-memory,statistics,trace,logging"
 ADMIN_HEADER = "eagle-admin-key"
 
@@ -59,11 +63,20 @@ def admin_key() -> str:
     return os.environ.get("EAGLE_ADMIN_KEY") or secrets.token_urlsafe(24)
 
 
+def tritonserver_tree() -> Path:
+    """The tritonserver tree to run: $TRITONSERVER_DIR, else the one `make setup` copied into
+    the cache, else the NVIDIA container's."""
+    if os.environ.get("TRITONSERVER_DIR"):
+        return Path(os.environ["TRITONSERVER_DIR"])
+    cached = paths.tritonserver_dir()
+    return cached if cached.exists() or not CONTAINER_TREE.exists() else CONTAINER_TREE
+
+
 def server_command(model_repository: Path, http_port: int, grpc_port: int, metrics_port: int,
                    extra: list[str] = (), model_config_name: str | None = None,
                    admin: str | None = None) -> list[str]:
     """admin: the key of the admin APIs (None = a new random one: nobody can use them)."""
-    tree = paths.tritonserver_dir()
+    tree = tritonserver_tree()
     binary = tree / "bin" / "tritonserver"
     if not binary.exists():
         raise SystemExit(f"{binary} is missing: run `make setup`")

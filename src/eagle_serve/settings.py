@@ -80,6 +80,9 @@ class ServingSettings:
         if self.dtype == "auto":
             from eagle_serve.cpu_matmul import native_bf16
             return torch.bfloat16 if on_gpu or native_bf16() else torch.float32
+        if on_gpu and self.dtype == "float64":  # the attention kernel accumulates in float32
+            raise ValueError("dtype float64 runs on CPU instances only; on a GPU use auto "
+                             "(bfloat16), float16 or float32")
         return names[self.dtype]
 
     def apply_threads(self, role: str) -> None:

@@ -22,6 +22,14 @@ from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
 from eagle_serve.bls import batch_from_request, input_tensor, optional_pair, response_tensors
 from eagle_serve.settings import read_settings
+from kernels.warmup import warm_drafter, warm_target
+
+
+def log_warmup(role: str, report) -> None:
+    """One log line after a GPU instance compiled its kernel variants (report None: on CPU)."""
+    if report is not None:
+        print(f"{role}: kernels compiled for every launch shape ({report.launches} launches, "
+              f"{report.seconds:.1f} s)", flush=True)
 
 
 def instance_device(args: dict) -> torch.device:
@@ -74,6 +82,7 @@ class TargetWorker(_Worker):
         self.model = TargetModel(self.target_dir, dtype=self.dtype, device=self.device,
                                  num_pages=s.num_target_pages, page_size=s.page_size,
                                  feature_layers=layers)
+        log_warmup("eagle_target", warm_target(self.model))  # not at the first request
 
     def handle(self, pb, request) -> list:
         self.check_caller(pb, request)
@@ -97,6 +106,7 @@ class DrafterWorker(_Worker):
             self.drafter = load_drafter(self.drafter_dir, self.target_dir, dtype=self.dtype,
                                         device=self.device, num_pages=s.num_drafter_pages,
                                         page_size=s.page_size, pruning=s.draft_pruning())
+            log_warmup("eagle_drafter", warm_drafter(self.drafter))
 
     def handle(self, pb, request) -> list:
         self.check_caller(pb, request)

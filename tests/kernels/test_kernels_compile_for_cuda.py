@@ -1,9 +1,14 @@
-"""Every kernel compiles for an sm_90 GPU (Triton's bundled ptxas, no GPU needed): catches what
-the interpreter lets by (loop-carried types, dot shapes, casts). Runs in a subprocess, since
-this session's triton was imported with TRITON_INTERPRET=1."""
+"""Every kernel variant the launchers can pick compiles for sm_80 (A100) and sm_90 (H100) with
+Triton's bundled ptxas, no GPU needed: catches what the interpreter lets by (loop-carried types,
+dot shapes, casts). The variants are those kernels/warmup.py enumerates (through the launchers'
+own tile functions) for two served shapes: SmolLM2-135M (9 q / 3 kv heads, head_dim 64) and a
+Llama-3.1-8B (32 / 8, head_dim 128), in bfloat16 and float32 (the two attention precisions),
+with float16 spot checks. The Triton version must be the GPU image's (requirements-gpu.txt).
+Runs in a subprocess, since this session's triton was imported with TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,30 +17,61 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 I32, I64, F32 = "i32", "*i64", "*fp32"
+TARGETS = (80, 90)
+MODELS = {"SmolLM2-135M": dict(q_heads=9, kv_heads=3, head_dim=64, page_size=16),
+          "Llama-3.1-8B": dict(q_heads=32, kv_heads=8, head_dim=128, page_size=16)}
+VOCABS = (8192, 49152, 128256)  # draft and target vocabularies of the two models
 
 
 def specs():
-    """(kernel, types of its runtime arguments in order, constexprs) as the launchers use them."""
+    """{(kernel name, types, constexprs): (kernel, types of its runtime arguments, constexprs)}
+    for every variant, deduplicated."""
     from kernels import paged_attention as pa
     from kernels import prepare_inputs, rejection, sampling, workspace
+    from kernels.warmup import MAX_QUERIES, MAX_ROWS, smallest_inputs
 
-    yield sampling._probs_kernel, ["*bf16", F32, I64, F32, F32] + [I32] * 3, {"BLOCK_V": 2048}
-    yield sampling._sample_kernel, [F32, I64, I64] + [I32] * 3, {"BLOCK_R": 4, "BLOCK_V": 1024}
-    yield rejection._greedy_accept_kernel, [I64] * 5 + [I32] * 3, {"BLOCK_B": 64}
-    yield (rejection._recover_kernel, [F32, F32, I64, I64, I64] + [I32] * 4,
-           {"BLOCK_R": 4, "BLOCK_V": 1024})
-    yield (rejection._random_accept_kernel, [I64, I64, F32, F32] + [I64] * 4 + [I32] * 6,
-           {"BLOCK_B": 64})
-    for kernel in (workspace._scatter_rows_kernel, workspace._gather_rows_kernel):
-        yield kernel, ["*bf16", I64, F32] + [I32] * 5, {"BLOCK_N": 4, "BLOCK_D": 1024}
-    yield prepare_inputs._prepare_inputs_kernel, [I64] * 3, {"BLOCK": 1024}
-    yield (pa._write_kv_kernel, [F32, F32, "*bf16", "*bf16", I64] + [I32] * 3,
-           {"BLOCK_T": 4, "BLOCK_W": 1024})
-    for dtype, tree, precision in [("fp32", True, "ieee"), ("bf16", False, "tf32")]:
-        yield (pa._paged_attention_kernel,
-               [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", f"*{dtype}", "fp32"] + [I32] * 13,
-               dict(GROUP=3, BLOCK_Q=5, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64, HEAD_DIM=40,
-                    PAGE_SIZE=5, HAS_TREE=tree, PRECISION=precision))
+    found = {}
+
+    def add(kernel, types, constexprs):
+        found[(kernel.__name__, tuple(types), tuple(sorted(constexprs.items())))] = (
+            kernel, types, constexprs)
+
+    rows = range(1, MAX_ROWS + 1)
+    for shape in MODELS.values():
+        group, width = shape["q_heads"] // shape["kv_heads"], shape["kv_heads"] * shape["head_dim"]
+        for dtype in ("bf16", "fp32", "fp16"):
+            tiles = smallest_inputs(lambda q: pa.attention_tile(group, q), range(1, MAX_QUERIES + 1))
+            spot_check = dtype == "fp16"  # one tile: dtype coverage, not every tile again
+            for block_m, block_q in list(tiles)[:1] if spot_check else tiles:
+                for tree in (False, True):
+                    add(pa._paged_attention_kernel,
+                        [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", f"*{dtype}", "fp32"] + [I32] * 13,
+                        dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
+                             BLOCK_D=max(16, 1 << (shape["head_dim"] - 1).bit_length()),
+                             HEAD_DIM=shape["head_dim"], PAGE_SIZE=shape["page_size"],
+                             HAS_TREE=tree, PRECISION="ieee" if dtype == "fp32" else "tf32"))
+            kv_tiles = smallest_inputs(lambda t: pa.kv_write_tile(t, width), rows)
+            for block_t, block_w in list(kv_tiles)[:1] if dtype != "bf16" else kv_tiles:
+                add(pa._write_kv_kernel, [f"*{dtype}"] * 4 + [I64] + [I32] * 3,
+                    dict(BLOCK_T=block_t, BLOCK_W=block_w))
+    for vocab in VOCABS:
+        for dtype in ("bf16", "fp32", "fp16"):
+            add(sampling._probs_kernel, [f"*{dtype}", F32, I64, F32, F32] + [I32] * 3,
+                dict(BLOCK_V=sampling.probs_block(vocab)))
+        for block_r, block_v in smallest_inputs(lambda r: sampling.vocab_row_tile(r, vocab), rows):
+            add(sampling._sample_kernel, [F32, I64, I64] + [I32] * 3,
+                dict(BLOCK_R=block_r, BLOCK_V=block_v))
+            add(rejection._recover_kernel, [F32, F32, I64, I64, I64] + [I32] * 4,
+                dict(BLOCK_R=block_r, BLOCK_V=block_v))
+        for block_n, block_d in smallest_inputs(lambda n: workspace.row_tile(n, vocab), rows):
+            for kernel in (workspace._scatter_rows_kernel, workspace._gather_rows_kernel):
+                add(kernel, [F32, I64, F32] + [I32] * 5, dict(BLOCK_N=block_n, BLOCK_D=block_d))
+    for block_b in smallest_inputs(rejection.request_block, rows):
+        add(rejection._greedy_accept_kernel, [I64] * 5 + [I32] * 3, dict(BLOCK_B=block_b))
+        add(rejection._random_accept_kernel, [I64, I64, F32, F32] + [I64] * 4 + [I32] * 6,
+            dict(BLOCK_B=block_b))
+    add(prepare_inputs._prepare_inputs_kernel, [I64] * 3, dict(BLOCK=1024))
+    return found
 
 
 def compile_all() -> None:
@@ -43,26 +79,53 @@ def compile_all() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for kernel, types, constexprs in specs():
+    for kernel, types, constexprs in specs().values():
         runtime = [name for name in kernel.arg_names if name not in constexprs]
         assert len(runtime) == len(types), f"{kernel.__name__}: update its spec here"
         signature = dict(zip(runtime, types)) | {name: "constexpr" for name in constexprs}
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                  target=GPUTarget("cuda", 90, 32))
-        assert "cubin" in compiled.asm, kernel.__name__
-        print("compiled", kernel.__name__)
+        for arch in TARGETS:
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                      target=GPUTarget("cuda", arch, 32))
+            assert "cubin" in compiled.asm, kernel.__name__
+            print("compiled", arch, kernel.__name__, constexprs, flush=True)
+
+
+def image_pin(name: str) -> str:
+    text = (ROOT / "requirements-gpu.txt").read_text()
+    match = re.search(rf"^{name}==(\S+)", text, re.M)
+    assert match, f"requirements-gpu.txt pins no {name}"
+    return match[1]
+
+
+def test_the_compiler_is_the_triton_of_the_gpu_image():
+    import triton
+    assert triton.__version__ == image_pin("triton")
+
+
+def test_every_variant_family_is_compiled():
+    from kernels import paged_attention, prepare_inputs, rejection, sampling, workspace
+
+    names = {key[0] for key in specs()}
+    modules = (paged_attention, prepare_inputs, rejection, sampling, workspace)
+    kernels = {name for m in modules for name in vars(m)
+               if name.startswith("_") and name.endswith("_kernel")}
+    assert names == kernels
+    attention = [c for (name, _, c) in specs() if name == "_paged_attention_kernel"]
+    assert {dict(c)["HEAD_DIM"] for c in attention} == {64, 128}
+    assert {dict(c)["PRECISION"] for c in attention} == {"ieee", "tf32"}
 
 
 @pytest.mark.slow
-def test_every_kernel_compiles_for_sm90(tmp_path):
+def test_every_kernel_variant_compiles_for_sm80_and_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 11  # 10 kernels, attention with and without a tree
+                          timeout=1800)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.count("compiled") == len(TARGETS) * len(specs())
+    print(f"{len(specs())} variants x {len(TARGETS)} GPU targets compiled")
 
 
 if __name__ == "__main__":

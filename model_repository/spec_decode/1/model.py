@@ -12,7 +12,8 @@ from eagle_serve.local import eos_token_ids
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.service import SpecDecodeService
 from eagle_serve.settings import ServingSettings
-from eagle_serve.workers import instance_device
+from eagle_serve.workers import instance_device, log_warmup
+from kernels.warmup import warm_engine
 
 
 class TritonPythonModel:
@@ -30,6 +31,7 @@ class TritonPythonModel:
         drafter = BlsDrafter(pb_utils, vocab, device, **bls) if drafter_dir is not None else None
         engine = Engine(target, drafter, settings.engine_config(eos_token_ids(target_dir)),
                         tokenizer=AutoTokenizer.from_pretrained(str(target_dir)), device=device)
+        log_warmup("spec_decode", warm_engine(engine))  # GPU kernels compiled before any request
         metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)
         self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes,
                                          draft_timeout_s=settings.model_call_timeout_s,
