@@ -27,7 +27,8 @@ from eagle_serve.client import grpc_generate, metrics
 from eagle_serve.repo_config import copy_repository
 from eagle_serve.serve import server_environment
 from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
-from server import CHAINS, TritonServer, free_ports, tiny_server
+from server import TritonServer, free_ports, tiny_server
+from test_reliability import tight_server
 
 pytestmark = pytest.mark.server
 
@@ -288,11 +289,7 @@ def test_a_client_that_disconnects_frees_its_pages_and_slots(api, tiny):
 def test_a_full_engine_answers_503_server_busy(triton_server, tiny_models, tmp_path):
     """One running request and one waiting (as in test_reliability's tight server): a burst
     gets 503 for the rest, and every served answer is the solo one."""
-    tight = triton_server("tiny64-tight", overrides={"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
-        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "8", "num_drafter_pages": "8", "max_running": "1",
-        "max_waiting": "1", "max_model_len": "160", **CHAINS}})
+    tight = tight_server(triton_server, tiny_models)
     api = launch_openai(tight, tmp_path / "openai.log")
     try:
         kw = dict(max_tokens=16, extra_body={"ignore_eos": True})
