@@ -1,4 +1,5 @@
-# Two commands matter: `make serve` (the real Triton server on model_repository/) and `make test`.
+# Two commands matter: `make serve` (the real Triton server on model_repository/, and the
+# OpenAI-compatible server on OPENAI_PORT; SERVE_ARGS=--no-openai leaves it out) and `make test`.
 # Both run `make setup` first, which installs only what is missing.
 SHELL := /bin/bash
 PYTHON ?= python3.11
@@ -8,6 +9,7 @@ export EAGLE_CACHE ?= $(CURDIR)/.cache
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 GPU_CHECK_ARGS ?=
@@ -30,7 +32,7 @@ setup: $(VENV)/.installed
 	$(PY) -m eagle_serve.setup_env
 
 serve: setup
-	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) \
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) \
 		exec $(PY) -m eagle_serve.serve --model-repository model_repository $(SERVE_ARGS)
 
 test: setup

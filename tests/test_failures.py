@@ -30,7 +30,8 @@ def supervised(tmp_path, tiny_models):
     http, grpc, metrics_port = free_ports(3)
     env = server_environment() | {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics_port)}
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo)],
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo),
+                             "--no-openai"],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.http, proc.grpc, proc.log_path = f"localhost:{http}", f"localhost:{grpc}", tmp_path / "serve.log"
     assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)

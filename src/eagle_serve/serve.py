@@ -99,13 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-config-name", default=os.environ.get("MODEL_CONFIG_NAME"),
                         help="e.g. `gpu` to serve with configs/gpu.pbtxt")
     parser.add_argument("--no-supervise", action="store_true",
-                        help="exec tritonserver directly (no restart when a model process dies)")
+                        help="exec tritonserver directly (no restart when a model process dies, "
+                             "no OpenAI-compatible server)")
+    parser.add_argument("--no-openai", action="store_true",
+                        help="do not start the OpenAI-compatible server (port OPENAI_PORT, default 9000)")
     args, extra = parser.parse_known_args(argv)
     http_port = int(os.environ.get("HTTP_PORT", 8000))
+    grpc_port, metrics_port = int(os.environ.get("GRPC_PORT", 8001)), int(os.environ.get("METRICS_PORT", 8002))
     key = admin_key()
-    cmd = server_command(Path(args.model_repository), http_port,
-                         int(os.environ.get("GRPC_PORT", 8001)),
-                         int(os.environ.get("METRICS_PORT", 8002)),
+    cmd = server_command(Path(args.model_repository), http_port, grpc_port, metrics_port,
                          ["--exit-timeout-secs=10", *extra], args.model_config_name, admin=key)
     print(" ".join(c.replace(key, "<admin key>") for c in cmd), flush=True)
     if not os.environ.get("EAGLE_ADMIN_KEY"):
@@ -114,8 +116,18 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     if args.no_supervise:
         os.execve(cmd[0], cmd, server_environment())  # signals go straight to tritonserver
-    from eagle_serve.supervisor import supervise
-    sys.exit(supervise(cmd, server_environment(), Path(args.model_repository), http_port))
+    from eagle_serve.supervisor import beside, supervise
+    openai = None if args.no_openai else openai_command(Path(args.model_repository), grpc_port, metrics_port)
+    with beside(openai, dict(os.environ, PYTHONUNBUFFERED="1")):
+        code = supervise(cmd, server_environment(), Path(args.model_repository), http_port)
+    sys.exit(code)
+
+
+def openai_command(repo: Path, grpc_port: int, metrics_port: int) -> list[str]:
+    """The OpenAI-compatible server in front of this tritonserver (eagle_serve.openai_api)."""
+    return [sys.executable, "-m", "eagle_serve.openai_api", f"--model-repository={repo}",
+            f"--grpc-url=localhost:{grpc_port}", f"--metrics-url=localhost:{metrics_port}",
+            f"--port={os.environ.get('OPENAI_PORT', 9000)}"]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ was killed, every request failed with "Stub process ... is not healthy" while
 /v2/health/ready stayed 200). The supervisor runs tritonserver as a child, watches that every
 Python model of the repository has a live stub process, and on a death logs it, stops the
 server (open streams get an error and FINAL from spec_decode's shutdown) and starts it again.
-SIGTERM / SIGINT are passed on to the server, and the supervisor exits with it.
+SIGTERM / SIGINT are passed on to the server, and the supervisor exits with it. `beside`
+runs a sibling process (the OpenAI-compatible server) for as long as the supervisor runs.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -52,6 +54,28 @@ def ready(http_port: int) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+@contextmanager
+def beside(cmd: list[str] | None, env: dict[str, str]):
+    """Run `cmd` (if any) as a sibling of tritonserver while the block runs: it is not
+    restarted with tritonserver (the OpenAI server reconnects by itself) and gets SIGTERM
+    when the block ends (Ctrl-C reaches it directly from the terminal)."""
+    if cmd is None:
+        yield None
+        return
+    log(f"starting {' '.join(cmd)}")
+    sibling = subprocess.Popen(cmd, env=env)
+    try:
+        yield sibling
+    finally:
+        if sibling.poll() is None:
+            sibling.send_signal(signal.SIGTERM)
+        try:
+            sibling.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            sibling.kill()
+            sibling.wait()
 
 
 def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,

@@ -43,14 +43,20 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The prompt text of a conversation ({"role", "content"} dicts) through the tokenizer's
+    chat template, with the assistant's turn opened. Encode it with `encode_prompt(...,
+    apply_chat_template=False)`: the OpenAI server does, and gets the ids preprocess gets."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("the tokenizer has no chat template; send apply_chat_template=false")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 def encode_prompt(tokenizer, text: str, apply_chat_template: bool = True) -> list[int]:
     """Ids of `text` as a single user message with the assistant prompt opened, or of the raw
     text when `apply_chat_template` is false. No special tokens beyond the template's."""
     if apply_chat_template:
-        if not has_chat_template(tokenizer):
-            raise ValueError("the tokenizer has no chat template; send apply_chat_template=false")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

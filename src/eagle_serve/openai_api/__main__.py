@@ -1,0 +1,3 @@
+from eagle_serve.openai_api.server import main
+
+main()

@@ -1,0 +1,354 @@
+"""The OpenAI-compatible server (eagle_serve.openai_api) in front of the real tritonserver,
+driven by the official `openai` client.
+
+The tiny float64 Llama (with the default model's tokenizer and chat template) makes greedy
+text exact, so answers are compared with the ensemble's for the same prompt.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from eagle_serve import paths
+from eagle_serve.client import grpc_generate, metrics
+from eagle_serve.repo_config import copy_repository
+from eagle_serve.serve import server_environment
+from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
+from server import TritonServer, free_ports, tiny_server
+from test_reliability import tight_server
+
+pytestmark = pytest.mark.server
+
+PROMPT = "Write a haiku about the sea."
+READY_TIMEOUT_S = 240.0
+
+
+@dataclass
+class OpenAIServer:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0,
+                             **{"timeout": 120.0, **kw})
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process.wait()
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def wait_until(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except (OSError, openai.APIError):  # not listening yet, or 503 while Triton starts
+            pass
+        time.sleep(every_s)
+    return False
+
+
+def launch_openai(triton: TritonServer, log_path: Path) -> OpenAIServer:
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-m", "eagle_serve.openai_api", f"--model-repository={triton.repo}",
+           f"--grpc-url={triton.grpc_url}", f"--metrics-url={triton.metrics_url}",
+           "--host=127.0.0.1", f"--port={port}"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = OpenAIServer(process, port, log_path)
+    healthy = wait_until(lambda: process.poll() is None and get(f"{server.base_url}/health")[0] == 200,
+                         READY_TIMEOUT_S)
+    if not healthy:
+        server.stop()
+        raise RuntimeError(f"the OpenAI server did not become healthy:\n{log_path.read_text()[-3000:]}")
+    return server
+
+
+@pytest.fixture(scope="module")
+def tiny(triton_server, tiny_models):
+    return tiny_server(triton_server, tiny_models, "eagle3")
+
+
+@pytest.fixture(scope="module")
+def api(tiny, tmp_path_factory):
+    server = launch_openai(tiny, tmp_path_factory.mktemp("openai") / "openai.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return load_tokenizer(tiny_models["target"])
+
+
+def chat(api: OpenAIServer, messages, **kw):
+    return api.client().chat.completions.create(model="tiny-llama", messages=messages, **kw)
+
+
+def streamed_chat(api: OpenAIServer, messages, **kw) -> tuple[str, list]:
+    chunks = list(chat(api, messages, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_greedy_chat_text_equals_the_ensembles_streamed_or_not(api, tiny):
+    for prompt in (PROMPT, "What is the capital of France?"):
+        ensemble = grpc_generate(tiny.grpc_url, prompt, max_tokens=24)
+        assert ensemble.error is None and ensemble.text
+        whole = chat(api, user(prompt), max_tokens=24)
+        assert whole.choices[0].message.content == ensemble.text
+        assert whole.choices[0].message.role == "assistant"
+        assert whole.choices[0].finish_reason == ensemble.finish_reason
+        text, chunks = streamed_chat(api, user(prompt), max_tokens=24)
+        assert text == ensemble.text
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert [c.choices[0].finish_reason for c in chunks][-1] == ensemble.finish_reason
+        assert len(chunks) > 3 and all(c.id == chunks[0].id for c in chunks)
+
+
+def test_usage_equals_the_prompt_and_output_token_counts(api, tokenizer):
+    whole = chat(api, user(PROMPT), max_tokens=12, extra_body={"ignore_eos": True})
+    usage = whole.usage
+    assert usage.prompt_tokens == len(encode_prompt(tokenizer, PROMPT))
+    assert usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    assert usage.total_tokens == usage.prompt_tokens + 12
+    spec = usage.model_extra["speculative"]
+    assert spec["rounds"] > 0 and spec["draft_tokens"] > 0  # the tiny server drafts k = 3
+    assert spec["acceptance_length"] == (spec["accepted_tokens"] + spec["rounds"]) / spec["rounds"]
+    _, chunks = streamed_chat(api, user(PROMPT), max_tokens=12, extra_body={"ignore_eos": True},
+                              stream_options={"include_usage": True})
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    streamed = chunks[-1].usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (usage.prompt_tokens, 12)
+    _, plain = streamed_chat(api, user(PROMPT), max_tokens=4)
+    assert all(c.usage is None for c in plain)  # no usage unless asked for
+
+
+def test_a_system_message_and_several_turns_go_through_the_targets_chat_template(api, tiny, tokenizer):
+    messages = [{"role": "system", "content": "You answer in rhymes."},
+                {"role": "user", "content": "Name a fruit."},
+                {"role": "assistant", "content": "An apple a day."},
+                {"role": "user", "content": [{"type": "text", "text": "And a "},
+                                             {"type": "text", "text": "vegetable?"}]}]
+    rendered = render_chat(tokenizer, [{**m, "content": m["content"] if isinstance(m["content"], str)
+                                        else "And a vegetable?"} for m in messages])
+    assert rendered.count("<|im_start|>") == 5 and "You answer in rhymes." in rendered
+    ensemble = grpc_generate(tiny.grpc_url, rendered, max_tokens=20, apply_chat_template=False)
+    got = chat(api, messages, max_tokens=20)
+    assert ensemble.error is None and got.choices[0].message.content == ensemble.text
+    assert got.usage.prompt_tokens == len(encode_prompt(tokenizer, rendered, apply_chat_template=False))
+
+
+def test_completions_send_the_raw_prompt_streamed_or_not(api, tiny):
+    prompt = "Once upon a time"
+    ensemble = grpc_generate(tiny.grpc_url, prompt, max_tokens=16, apply_chat_template=False)
+    client = api.client()
+    whole = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=16)
+    assert ensemble.error is None and whole.choices[0].text == ensemble.text
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == len(ensemble.output_ids)
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=16, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ensemble.text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings_end_the_text_before_them(api, tiny, tokenizer):
+    full = grpc_generate(tiny.grpc_url, PROMPT, max_tokens=30, ignore_eos=True)
+    stop = decode(tokenizer, full.output_ids[6:8])
+    expected = decode(tokenizer, full.output_ids[:6])
+    assert full.text.index(stop) == len(expected)  # its first match starts at a token boundary
+    for value in (stop, [stop, "never appears 123"]):
+        got = chat(api, user(PROMPT), max_tokens=30, stop=value, extra_body={"ignore_eos": True})
+        assert got.choices[0].message.content == expected and got.choices[0].finish_reason == "stop"
+        text, chunks = streamed_chat(api, user(PROMPT), max_tokens=30, stop=value,
+                                     extra_body={"ignore_eos": True})
+        assert text == expected and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_same_seed_gives_the_same_text_at_temperature_above_zero(api):
+    kw = dict(max_tokens=16, temperature=0.9, top_p=0.95)
+    first = chat(api, user(PROMPT), seed=1234, **kw).choices[0].message.content
+    again = chat(api, user(PROMPT), seed=1234, **kw).choices[0].message.content
+    streamed, _ = streamed_chat(api, user(PROMPT), seed=1234, **kw)
+    other = chat(api, user(PROMPT), seed=4321, **kw).choices[0].message.content
+    assert first == again == streamed
+    assert other != first
+
+
+def test_speculative_knobs_are_accepted_as_extra_body_fields(api):
+    plain = chat(api, user(PROMPT), max_tokens=12, extra_body={"num_speculative_tokens": 0})
+    assert plain.usage.model_extra["speculative"]["draft_tokens"] == 0
+    tree = chat(api, user(PROMPT), max_tokens=12,
+                extra_body={"num_speculative_tokens": 6, "draft_topk": 2, "draft_depth": 3})
+    assert tree.usage.model_extra["speculative"]["draft_tokens"] > 0
+    assert tree.choices[0].message.content == plain.choices[0].message.content  # greedy: exact
+
+
+def error_of(call) -> tuple[int, dict]:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    body = caught.value.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return caught.value.status_code, body["error"]
+
+
+def test_bad_requests_get_openai_format_errors_and_the_next_request_works(api):
+    client = api.client()
+    status, error = error_of(lambda: client.chat.completions.create(model="gpt-4o", messages=user("Hi")))
+    assert status == 404 and error["code"] == "model_not_found" and "gpt-4o" in error["message"]
+    cases = [(dict(n=2), "n"), (dict(max_tokens=-5), "max_tokens"), (dict(messages=[]), "messages"),
+             (dict(top_p=1.5), "top_p"), (dict(logprobs=True), "logprobs"),
+             (dict(extra_body={"num_speculative_tokens": 99}), "num_speculative_tokens"),
+             (dict(messages=[{"role": "tool", "content": "x"}]), "messages")]
+    for kw, param in cases:
+        args = {"model": "tiny-llama", "messages": user("Hi"), "max_tokens": 8, **kw}
+        status, error = error_of(lambda: client.chat.completions.create(**args))
+        assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", (kw, error)
+    assert "num_speculative_tokens must be in [0, 8]" in error_of(lambda: client.chat.completions.create(
+        model="tiny-llama", messages=user("Hi"), extra_body={"num_speculative_tokens": 99}))[1]["message"]
+    status, error = error_of(lambda: client.completions.create(model="tiny-llama", prompt=["a", "b"]))
+    assert status == 400 and error["param"] == "prompt"
+    request = urllib.request.Request(f"{api.base_url}/v1/chat/completions", data=b'{"messages": [',
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 400 and "not valid JSON" in json.loads(caught.value.read())["error"]["message"]
+    assert chat(api, user("Hi"), max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_models_health_and_metrics_endpoints(api, tiny):
+    assert [m.id for m in api.client().models.list()] == ["tiny-llama"]
+    assert api.client().models.retrieve("tiny-llama").id == "tiny-llama"
+    assert get(f"{api.base_url}/health")[0] == 200
+    status, text = get(f"{api.base_url}/metrics")
+    assert status == 200 and 'eagle_kv_pages_free{pool="target"}' in text
+
+
+def idle(metrics_url: str) -> bool:
+    m = metrics(metrics_url)
+    return (m["eagle_requests_running"] == 0 and m["eagle_requests_waiting"] == 0
+            and m['eagle_kv_pages_free{pool="target"}'] == m['eagle_kv_pages_total{pool="target"}']
+            and m['eagle_kv_pages_free{pool="drafter"}'] == m['eagle_kv_pages_total{pool="drafter"}']
+            and m["eagle_draft_slots_free"] == 256)
+
+
+def test_a_client_that_disconnects_frees_its_pages_and_slots(api, tiny):
+    """A streamed client that closes after a few chunks, and one that gives up waiting for a
+    whole answer: both requests end long before their 1800 tokens."""
+    rounds = lambda: metrics(tiny.metrics_url)["eagle_spec_decode_rounds_total"]  # noqa: E731
+    long = dict(max_tokens=1800, extra_body={"ignore_eos": True, "num_speculative_tokens": 1})
+    before = rounds()
+    stream = chat(api, user(PROMPT), stream=True, **long)
+    for _, _chunk in zip(range(4), stream):
+        pass
+    stream.close()
+    assert wait_until(lambda: idle(tiny.metrics_url), 30), metrics(tiny.metrics_url)
+    assert rounds() - before < 300  # cancelled, not run to the end (~900 rounds)
+    before = rounds()
+    with pytest.raises(openai.APITimeoutError):
+        api.client(timeout=1.5).chat.completions.create(model="tiny-llama", messages=user(PROMPT), **long)
+    assert wait_until(lambda: idle(tiny.metrics_url), 30), metrics(tiny.metrics_url)
+    assert rounds() - before < 300
+
+
+def test_a_full_engine_answers_503_server_busy(triton_server, tiny_models, tmp_path):
+    """One running request and one waiting (as in test_reliability's tight server): a burst
+    gets 503 for the rest, and every served answer is the solo one."""
+    tight = tight_server(triton_server, tiny_models)
+    api = launch_openai(tight, tmp_path / "openai.log")
+    try:
+        kw = dict(max_tokens=16, extra_body={"ignore_eos": True})
+        solo = chat(api, user(PROMPT), **kw).choices[0].message.content
+
+        def one(_):
+            try:
+                return streamed_chat(api, user(PROMPT), **kw)[0]
+            except openai.APIStatusError as error:
+                return error
+        with futures.ThreadPoolExecutor(10) as pool:
+            burst = list(pool.map(one, range(10)))
+        busy = [r for r in burst if isinstance(r, openai.APIStatusError)]
+        assert busy and all(e.status_code == 503 and "server busy" in e.message for e in busy), burst
+        assert all(r == solo for r in burst if isinstance(r, str))
+    finally:
+        api.stop()
+
+
+@pytest.fixture
+def served(tmp_path, tiny_models):
+    """`python -m eagle_serve.serve` (what `make serve` runs) with the OpenAI server beside it."""
+    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", None, {"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+        "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
+        "num_target_pages": "256", "num_drafter_pages": "256"}})
+    http, grpc, metrics_port, port = free_ports(4)
+    env = server_environment() | {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
+                                  "METRICS_PORT": str(metrics_port), "OPENAI_PORT": str(port)}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    yield proc, OpenAIServer(proc, port, tmp_path / "serve.log")
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log.close()
+
+
+def child_running(parent: subprocess.Popen, needle: str) -> psutil.Process | None:
+    for child in psutil.Process(parent.pid).children(recursive=True):
+        try:
+            if needle in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            pass
+    return None
+
+
+def test_make_serve_runs_the_openai_server_through_a_restart_and_stops_both(served):
+    proc, api = served
+    answers = lambda: chat(api, user("Hi"), max_tokens=4).usage.completion_tokens > 0  # noqa: E731
+    assert wait_until(answers, READY_TIMEOUT_S), api.log_path.read_text()[-3000:]
+    front = child_running(proc, "eagle_serve.openai_api")
+    child_running(proc, "/eagle_target/1/model.py").kill()
+    assert wait_until(lambda: get(f"{api.base_url}/health")[0] == 503, 60)
+    assert wait_until(answers, READY_TIMEOUT_S), api.log_path.read_text()[-3000:]
+    assert "restarting tritonserver" in api.log_path.read_text()
+    assert child_running(proc, "eagle_serve.openai_api").pid == front.pid  # the same process throughout
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) is not None
+    assert wait_until(lambda: not front.is_running() or front.status() == psutil.STATUS_ZOMBIE, 30)
