@@ -31,11 +31,12 @@ def specs():
     yield prepare_inputs._prepare_inputs_kernel, [I64] * 3, {"BLOCK": 1024}
     yield (pa._write_kv_kernel, [F32, F32, "*bf16", "*bf16", I64] + [I32] * 3,
            {"BLOCK_T": 4, "BLOCK_W": 1024})
-    for dtype, tree, precision in [("fp32", True, "ieee"), ("bf16", False, "tf32")]:
+    for dtype, extras, precision in [("fp32", True, "ieee"), ("bf16", False, "tf32")]:
         yield (pa._paged_attention_kernel,
-               [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", f"*{dtype}", "fp32"] + [I32] * 13,
+               [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", I64, f"*{dtype}", "fp32", I32, "fp32"] + [I32] * 13,
                dict(GROUP=3, BLOCK_Q=5, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64, HEAD_DIM=40,
-                    PAGE_SIZE=5, HAS_TREE=tree, PRECISION=precision))
+                    PAGE_SIZE=5, HAS_TREE=extras, HAS_WINDOW=extras, HAS_SOFTCAP=extras,
+                    PRECISION=precision))
 
 
 def compile_all() -> None:
@@ -62,7 +63,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 11  # 10 kernels, attention with and without a tree
+    assert done.stdout.count("compiled") == 11  # 10 kernels, attention with and without tree/window/softcap
 
 
 if __name__ == "__main__":
