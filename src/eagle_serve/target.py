@@ -94,7 +94,8 @@ class TargetModel:
                  feature_layers: tuple[int, ...] | None = None):
         self.config = cfg = load_target_config(folder)
         self.arch = arch = architecture_of(cfg)
-        self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        moe = {"experts_implementation": "eager"} if arch.moe else {}  # any dtype, any device
+        self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **moe).to(device).eval()
         if self.hf.device.type == "cpu":
             use_cpu_linears(self.hf)  # see cpu_matmul: MKL is slow for 2+ rows here
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
