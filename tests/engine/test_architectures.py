@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from eagle_serve.checkpoints import load_drafter
@@ -15,11 +16,15 @@ from eagle_serve.engine import SamplingParams
 from eagle_serve.interfaces import RaggedBatch, ancestor_mask
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.local import build_local_engine
-from eagle_serve.target import (ARCHITECTURES, TargetModel, UnsupportedArchitecture, architecture_of,
-                                load_target_config)
+from eagle_serve.target import ARCHITECTURES, TargetModel, UnsupportedArchitecture
 from eagle_serve.testing import TINY_ARCHITECTURES, make_random_head, make_tiny_target
 
 ARCHS = list(TINY_ARCHITECTURES)
+
+
+def model_type(arch: str) -> str:
+    return getattr(transformers, TINY_ARCHITECTURES[arch][0]).model_type
+
 # HF's eager attention (Gemma 2's, the only one with soft-capping) takes its softmax in float32
 TOLERANCE = {"gemma2": 1e-5}
 
@@ -39,13 +44,12 @@ def arch_models(tmp_path_factory):
 
 def hf_model(folder, arch: str):
     """HF's model in float64 (MoE experts by HF's eager loop: its grouped GEMM has no float64)."""
-    moe = {"experts_implementation": "eager"} if architecture_of(load_target_config(folder)).moe else {}
+    moe = {"experts_implementation": "eager"} if ARCHITECTURES[model_type(arch)].moe else {}
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64, **moe).eval()
 
 
 def test_every_architecture_of_the_table_has_a_tiny_model():
-    model_types = {getattr(__import__("transformers"), cls).model_type for cls, _ in TINY_ARCHITECTURES.values()}
-    assert model_types == set(ARCHITECTURES)
+    assert {model_type(a) for a in ARCHS} == set(ARCHITECTURES)
 
 
 def rows(pool: PagePool, tables: list[list[int]], new: list[list[int]], starts: list[int],
@@ -170,3 +174,24 @@ def test_the_training_command_trains_a_head_for_every_architecture(arch, arch_mo
     spec = build_local_engine(folder, out, dtype="float64", eos_token_ids=())
     got = spec.generate(prompts[:2], SamplingParams(max_tokens=16, num_speculative_tokens=2))
     assert [r.token_ids for r in got] == [a.token_ids for a in answers]
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if not ARCHITECTURES[model_type(a)].moe])
+def test_bf16_verify_passes_reproduce_plain_decoding_bitwise(arch, arch_models, prompts):
+    """The CPU paths stay row-invariant for every dense architecture (fused projections,
+    windows, soft-caps): bf16 speculative output (oracle drafts, chains and trees, three
+    requests batched) is bf16 plain decoding's, token for token."""
+    from eagle_serve.testing import TreeOracleDrafter
+
+    folder, _ = arch_models(arch)
+    seqs = [prompts[1], prompts[2], prompts[5]]
+    plain = [r.token_ids for r in build_local_engine(folder, None, dtype="bfloat16", eos_token_ids=(),
+                                                     max_running=1).generate(seqs, SamplingParams(max_tokens=12))]
+    engine = build_local_engine(folder, None, dtype="bfloat16", eos_token_ids=(), max_running=3)
+    engine.drafter = TreeOracleDrafter([p + e for p, e in zip(seqs, plain)], engine.target.vocab_size)
+    shapes = [SamplingParams(max_tokens=12, num_speculative_tokens=4),
+              SamplingParams(max_tokens=12, num_speculative_tokens=6, draft_topk=2, draft_depth=3),
+              SamplingParams(max_tokens=12, num_speculative_tokens=3)]
+    results = engine.generate(seqs, shapes)
+    assert [r.token_ids for r in results] == plain
+    assert max(r.acceptance_length for r in results) > 1.5
