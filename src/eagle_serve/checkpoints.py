@@ -139,6 +139,9 @@ def _spec(folder, raw, layer_raw, state, version, target_config, speculators) ->
         raise CheckpointError(f"{folder}: fc.weight is {tuple(state['fc.weight'].shape)} but config "
                               f"hidden_size is {layer.hidden_size}")
     t_hidden = raw.get("target_hidden_size") or target_config.hidden_size
+    if t_hidden != target_config.hidden_size:
+        raise CheckpointError(f"{folder}: head does not fit the target: head expects target hidden size "
+                              f"{t_hidden}, target has {target_config.hidden_size}")
     feature_layers = None
     if version == 3:
         feature_layers = _feature_layers(raw, target_config.num_hidden_layers)
@@ -174,8 +177,6 @@ def _check_fit(folder, spec: HeadSpec, version: int, state, embed, target) -> No
     def fail(what: str):
         raise CheckpointError(f"{folder}: head does not fit the target: {what}")
     vocab, hidden = target.vocab_size, target.hidden_size
-    if spec.target_hidden_size != hidden:
-        fail(f"head expects target hidden size {spec.target_hidden_size}, target has {hidden}")
     if version == 1 and spec.hidden_size != hidden:
         fail(f"EAGLE-1 fc.weight {tuple(state['fc.weight'].shape)} does not fit target hidden size {hidden}")
     if embed is None and spec.hidden_size != hidden:

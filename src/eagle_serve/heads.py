@@ -43,7 +43,7 @@ class HeadSpec:
     qk_norm: bool = False             # RMSNorm on each head's q and k (Qwen3-style layers)
     norm_before_residual: bool = False  # EAGLE-3: layer 0 adds its output to hidden_norm(h)
     feature_layers: tuple[int, ...] | None = None  # EAGLE-3: target layers whose inputs it fuses
-    own_lm_head: bool = True          # EAGLE-3: False = read logits through the target's LM head
+    own_lm_head: bool = True          # False = logits through the target's LM head (always for EAGLE-1)
 
     @property
     def hidden_size(self) -> int:
@@ -243,7 +243,7 @@ def random_head(target_config, version: int, draft_vocab_size: int | None = None
     """A seeded random head shaped for `target_config` (tests, and the start of training).
     feature_layers: the target layers (inputs of) an EAGLE-3 head fuses; default 2, L//2, L-3;
     random_norms: norm weights drawn from [0.5, 1.5] rather than ones (a dropped norm shows);
-    spec_fields: other HeadSpec fields (num_layers, biases, qk_norm, ...)."""
+    spec_fields: other HeadSpec fields (layer, num_layers, biases, qk_norm, ...)."""
     from eagle_serve.target import eagle3_feature_layers
 
     torch.manual_seed(seed)
@@ -252,8 +252,10 @@ def random_head(target_config, version: int, draft_vocab_size: int | None = None
     if version == 3:
         layers = tuple(feature_layers or eagle3_feature_layers(target_config.num_hidden_layers))
         vocab = draft_vocab_size or vocab
-    spec = HeadSpec(layer=layer_config(target_config), target_hidden_size=target_config.hidden_size,
-                    draft_vocab_size=vocab, fc_bias=fc_bias, feature_layers=layers, **spec_fields)
+    spec_fields.setdefault("layer", layer_config(target_config))
+    spec_fields.setdefault("own_lm_head", version == 3)
+    spec = HeadSpec(target_hidden_size=target_config.hidden_size, draft_vocab_size=vocab, fc_bias=fc_bias,
+                    feature_layers=layers, **spec_fields)
     head = HEAD_KINDS[version](spec)
     for name, p in head.named_parameters():
         if p.ndim == 2:
