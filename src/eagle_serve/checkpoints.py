@@ -35,8 +35,8 @@ from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import use_cpu_linears
 from eagle_serve.drafter import DraftPruning, Drafter
-from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec, random_head
-from eagle_serve.target import eagle3_feature_layers, load_target_config
+from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec, eagle3_feature_layers, random_head
+from eagle_serve.target import load_target_config
 
 
 class CheckpointError(ValueError):

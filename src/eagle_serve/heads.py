@@ -220,6 +220,11 @@ class Eagle3Head(EagleHead):
 HEAD_KINDS: dict[int, type[EagleHead]] = {1: Eagle1Head, 3: Eagle3Head}
 
 
+def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default: the inputs of target layers 2, L//2 and L-3 (in that order)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 def layer_config(target_config, **overrides) -> LlamaConfig:
     """A head layer config shaped like the target's layers (Llama layers, the target's sizes)."""
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -244,8 +249,6 @@ def random_head(target_config, version: int, draft_vocab_size: int | None = None
     feature_layers: the target layers (inputs of) an EAGLE-3 head fuses; default 2, L//2, L-3;
     random_norms: norm weights drawn from [0.5, 1.5] rather than ones (a dropped norm shows);
     spec_fields: other HeadSpec fields (layer, num_layers, biases, qk_norm, ...)."""
-    from eagle_serve.target import eagle3_feature_layers
-
     torch.manual_seed(seed)
     vocab = target_config.vocab_size
     layers = None

@@ -75,11 +75,6 @@ def load_target_config(folder: str | Path):
     return config
 
 
-def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 reads the inputs of layers 2, L//2 and L-3 (in that order)."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
 @dataclass(frozen=True)
 class _LayerPlan:
     window: int            # 0 = full attention
@@ -214,6 +209,6 @@ class TargetModel:
 
     @torch.inference_mode()
     def logits(self, batch: RaggedBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Raw logits [R, V] (tests and training)."""
+        """The logits [R, V] as HF computes them (tests and training)."""
         final, _ = self.hidden_states(batch)
         return self._logits(final[logit_rows])

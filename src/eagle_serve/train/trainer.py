@@ -29,10 +29,10 @@ from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle_serve.checkpoints import save_head
-from eagle_serve.heads import EagleHead, random_head
+from eagle_serve.heads import EagleHead, eagle3_feature_layers, random_head
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel, eagle3_feature_layers, load_target_config
+from eagle_serve.target import TargetModel, load_target_config
 
 
 @dataclass(frozen=True)
