@@ -35,7 +35,7 @@ from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import use_cpu_linears
 from eagle_serve.drafter import DraftPruning, Drafter
-from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec, eagle3_feature_layers, random_head
+from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec, random_head
 from eagle_serve.target import load_target_config
 
 
@@ -78,7 +78,7 @@ def read_target_tensor(target_dir: Path, names: list[str]) -> torch.Tensor | Non
 @dataclass
 class HeadCheckpoint:
     """A head read from a folder: its kind, spec, weights under our names, own embedding."""
-    version: int
+    kind: type[EagleHead]
     spec: HeadSpec
     state: dict[str, torch.Tensor]
     embed: torch.Tensor | None  # [V, H] the head's own embedding, if it ships one
@@ -99,15 +99,17 @@ def read_head(folder: str | Path, target_config) -> HeadCheckpoint:
                               "is not supported (eagle3 is)")
     if "fc.weight" not in state or not any(k.startswith("layers.0.") for k in state):
         raise CheckpointError(f"{folder}: no fc.weight and layers.0 / midlayer weights; not an EAGLE head")
-    version = 3 if speculators or "layers.0.hidden_norm.weight" in state else 1
+    kind = HEAD_KINDS[3 if speculators or "layers.0.hidden_norm.weight" in state else 1]
     layer_raw = raw.get("transformer_layer_config", {}) if speculators else raw
     _refuse_unsupported(folder, raw, layer_raw)
-    spec = _spec(folder, raw, layer_raw, state, version, target_config, speculators)
+    spec = _spec(folder, raw, layer_raw, state, kind, target_config, speculators)
     embed = state.pop("embed_tokens.weight", None)
-    _check_fit(folder, spec, version, state, embed, target_config)
-    for extra in ("t2d", "lm_head.weight" if version == 1 else ""):
-        state.pop(extra, None)
-    return HeadCheckpoint(version, spec, state, embed)
+    problems = _fit_problems(spec, embed, target_config) + kind.fit_problems(spec, state, target_config)
+    if problems:
+        raise CheckpointError(f"{folder}: head does not fit the target: {'; '.join(problems)}")
+    for key in kind.unused_keys:
+        state.pop(key, None)
+    return HeadCheckpoint(kind, spec, state, embed)
 
 
 def _refuse_unsupported(folder: Path, raw: dict, layer_raw: dict) -> None:
@@ -125,78 +127,47 @@ def _refuse_unsupported(folder: Path, raw: dict, layer_raw: dict) -> None:
         raise CheckpointError(f"{folder}: sliding-window head layers are not supported")
 
 
-def _spec(folder, raw, layer_raw, state, version, target_config, speculators) -> HeadSpec:
-    values = {k: layer_raw[k] for k in LAYER_FIELDS if layer_raw.get(k) is not None}
-    layer = LlamaConfig(**values)
+def _spec(folder, raw, layer_raw, state, kind, target_config, speculators) -> HeadSpec:
+    """What the config and the weights say the head is; biases, q/k norms and the number of
+    layers from the weights, the rest of the layer shape from the config."""
+    layer = LlamaConfig(**{k: layer_raw[k] for k in LAYER_FIELDS if layer_raw.get(k) is not None})
     indices = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
     num_layers = len(indices)
     declared = layer_raw.get("num_hidden_layers", num_layers)
     if indices != set(range(num_layers)) or declared != num_layers:
         raise CheckpointError(f"{folder}: config num_hidden_layers is {declared} but the weights "
                               f"hold layers {sorted(indices)}")
-    hidden, fc_in = state["fc.weight"].shape
-    if hidden != layer.hidden_size:
+    if state["fc.weight"].shape[0] != layer.hidden_size:
         raise CheckpointError(f"{folder}: fc.weight is {tuple(state['fc.weight'].shape)} but config "
                               f"hidden_size is {layer.hidden_size}")
     t_hidden = raw.get("target_hidden_size") or target_config.hidden_size
     if t_hidden != target_config.hidden_size:
         raise CheckpointError(f"{folder}: head does not fit the target: head expects target hidden size "
                               f"{t_hidden}, target has {target_config.hidden_size}")
-    feature_layers = None
-    if version == 3:
-        feature_layers = _feature_layers(raw, target_config.num_hidden_layers)
-        if fc_in != len(feature_layers) * t_hidden:
-            raise CheckpointError(f"{folder}: fc.weight is {tuple(state['fc.weight'].shape)} but fuses "
-                                  f"{len(feature_layers)} target layers of hidden size {t_hidden}")
+    try:
+        fields = kind.kind_fields(raw, state, target_config)
+    except ValueError as error:
+        raise CheckpointError(f"{folder}: {error}") from None
     has = lambda name: f"layers.0.{name}" in state  # noqa: E731
-    own_lm_head = version == 3 and "lm_head.weight" in state
-    draft_vocab = state["lm_head.weight"].shape[0] if own_lm_head else target_config.vocab_size
-    if own_lm_head and raw.get("draft_vocab_size", draft_vocab) != draft_vocab:
-        raise CheckpointError(f"{folder}: config draft_vocab_size {raw['draft_vocab_size']} != "
-                              f"lm_head.weight rows {draft_vocab}")
-    return HeadSpec(layer=layer, target_hidden_size=t_hidden, draft_vocab_size=draft_vocab,
-                    num_layers=num_layers, fc_bias="fc.bias" in state,
-                    qkv_bias=has("self_attn.q_proj.bias"), o_bias=has("self_attn.o_proj.bias"),
-                    mlp_bias=has("mlp.gate_proj.bias"), qk_norm=has("self_attn.q_norm.weight"),
-                    norm_before_residual=bool(raw.get("norm_before_residual", speculators)),
-                    feature_layers=feature_layers, own_lm_head=own_lm_head)
+    return HeadSpec(layer=layer, target_hidden_size=t_hidden, num_layers=num_layers,
+                    fc_bias="fc.bias" in state, qkv_bias=has("self_attn.q_proj.bias"),
+                    o_bias=has("self_attn.o_proj.bias"), mlp_bias=has("mlp.gate_proj.bias"),
+                    qk_norm=has("self_attn.q_norm.weight"),
+                    norm_before_residual=bool(raw.get("norm_before_residual", speculators)), **fields)
 
 
-def _feature_layers(raw: dict, num_target_layers: int) -> tuple[int, ...]:
-    """Inputs of which target layers an EAGLE-3 head fuses."""
-    if raw.get("eagle_aux_hidden_state_layer_ids"):  # vLLM, speculators: layer inputs
-        return tuple(raw["eagle_aux_hidden_state_layer_ids"])
-    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested:  # SpecForge, SGLang: layer outputs = the next layers' inputs
-        return tuple(i + 1 for i in nested)
-    return eagle3_feature_layers(num_target_layers)
-
-
-def _check_fit(folder, spec: HeadSpec, version: int, state, embed, target) -> None:
-    """Refuse a head that does not fit the target, naming the mismatch."""
-    def fail(what: str):
-        raise CheckpointError(f"{folder}: head does not fit the target: {what}")
-    vocab, hidden = target.vocab_size, target.hidden_size
-    if version == 1 and spec.hidden_size != hidden:
-        fail(f"EAGLE-1 fc.weight {tuple(state['fc.weight'].shape)} does not fit target hidden size {hidden}")
+def _fit_problems(spec: HeadSpec, embed, target) -> list[str]:
+    """What does not fit the target whatever the head kind: embedding, feature layers."""
+    vocab, hidden, problems = target.vocab_size, target.hidden_size, []
     if embed is None and spec.hidden_size != hidden:
-        fail(f"head hidden size {spec.hidden_size} != target hidden size {hidden} and the head has "
-             "no embed_tokens of its own")
+        problems.append(f"head hidden size {spec.hidden_size} != target hidden size {hidden} and the "
+                        "head has no embed_tokens of its own")
     if embed is not None and tuple(embed.shape) != (vocab, spec.hidden_size):
-        fail(f"embed_tokens is {tuple(embed.shape)}, needs [target vocab {vocab}, {spec.hidden_size}]")
+        problems.append(f"embed_tokens is {tuple(embed.shape)}, needs [target vocab {vocab}, {spec.hidden_size}]")
     if spec.feature_layers and not all(0 <= i < target.num_hidden_layers for i in spec.feature_layers):
-        fail(f"feature layers {spec.feature_layers} outside the target's {target.num_hidden_layers} layers")
-    if version == 1:
-        return
-    draft_vocab, d2t, t2d = spec.draft_vocab_size, state.get("d2t"), state.get("t2d")
-    if d2t is None and draft_vocab != vocab:
-        fail(f"draft vocab {draft_vocab} != target vocab {vocab} and no d2t map")
-    if d2t is not None and (d2t.shape[0] != draft_vocab
-                            or int((torch.arange(draft_vocab) + d2t.long()).max()) >= vocab):
-        fail(f"d2t ({d2t.shape[0]} ids) does not map a draft vocab of {draft_vocab} into the "
-             f"target vocab of {vocab}")
-    if t2d is not None and t2d.shape[0] != vocab:
-        fail(f"t2d covers {t2d.shape[0]} target ids, the target vocab has {vocab}")
+        problems.append(f"feature layers {spec.feature_layers} outside the target's "
+                        f"{target.num_hidden_layers} layers")
+    return problems
 
 
 def load_head(folder: str | Path, target_dir: str | Path, dtype=torch.float32,
@@ -205,13 +176,10 @@ def load_head(folder: str | Path, target_dir: str | Path, dtype=torch.float32,
 
 
 def _build(ckpt: HeadCheckpoint, folder, dtype, device) -> EagleHead:
-    head = HEAD_KINDS[ckpt.version](ckpt.spec)
-    state = dict(ckpt.state)
-    if ckpt.version == 3 and "d2t" not in state:
-        state["d2t"] = torch.zeros(ckpt.spec.draft_vocab_size, dtype=torch.int64)
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    head = ckpt.kind(ckpt.spec)
+    missing, unexpected = head.load_published(ckpt.state)
     if missing or unexpected:
-        raise CheckpointError(f"{folder}: does not match the EAGLE-{ckpt.version} layout; "
+        raise CheckpointError(f"{folder}: does not match the EAGLE-{head.version} layout; "
                               f"missing {missing[:6]}, unexpected {unexpected[:6]}")
     return head.to(device=device, dtype=dtype)
 
@@ -240,29 +208,17 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
 
 def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",
               extra_config: dict | None = None, vocab_maps: bool = True) -> Path:
-    """Write `head` in its published layout (EAGLE-1, or EAGLE-3 with `midlayer.*` for one
-    layer and `layers.{i}.*` for more) with a config.json. vocab_maps=False leaves out d2t/t2d
-    (as heads whose vocabulary equals the target's do)."""
+    """Write `head` in its kind's published layout (a one-layer EAGLE-3 head as `midlayer.*`)
+    with a config.json. vocab_maps=False leaves out d2t/t2d (as heads whose vocabulary equals
+    the target's do)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    spec = head.spec
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    if head.version == 3 and head.num_layers == 1:
-        state = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in state.items()}
-    if head.version == 3 and not vocab_maps:
-        state.pop("d2t")
-    elif head.version == 3:
-        t2d = torch.zeros(spec.layer.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(spec.draft_vocab_size) + state["d2t"]] = True
-        state["t2d"] = t2d
-    config = spec.layer.to_dict()
-    config.update(architectures=["LlamaForCausalLMEagle3" if head.version == 3 else "LlamaForCausalLM"],
-                  num_hidden_layers=head.num_layers, target_hidden_size=spec.target_hidden_size,
-                  **({"draft_vocab_size": spec.draft_vocab_size,
-                      "eagle_aux_hidden_state_layer_ids": list(spec.feature_layers),
-                      "norm_before_residual": spec.norm_before_residual}
-                     if head.version == 3 else {}),
-                  **(extra_config or {}))
+    state, fields = head.published(vocab_maps)
+    if head.num_layers == 1:
+        state = {re.sub(r"^layers\.0\.", head.single_layer_name + ".", k): v for k, v in state.items()}
+    config = head.spec.layer.to_dict() | {
+        "architectures": [head.architecture], "num_hidden_layers": head.num_layers,
+        "target_hidden_size": head.spec.target_hidden_size} | fields | (extra_config or {})
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
     if fmt == "safetensors":
         save_file(state, str(folder / "model.safetensors"))

@@ -110,10 +110,38 @@ class _Layer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """The interface every head kind implements (see the module docstring)."""
+    """The interface every head kind implements (see the module docstring), including how the
+    kind reads and writes its own fields of a published config (checkpoints.py reads files)."""
     version = 0
+    architecture = ""               # the `architectures` entry of a saved config
+    single_layer_name = "layers.0"  # published name of a one-layer head's layer
+    unused_keys: tuple[str, ...] = ()  # published weights the head does not load
     fc: nn.Linear
     layers: nn.ModuleList
+
+    @classmethod
+    def kind_fields(cls, raw: dict, state: dict, target) -> dict:
+        """This kind's HeadSpec fields from a published config `raw` and weights (our names);
+        raises ValueError naming what does not fit."""
+        raise NotImplementedError
+
+    @classmethod
+    def default_fields(cls, target, draft_vocab_size: int | None, feature_layers) -> dict:
+        """This kind's HeadSpec fields for a new head shaped for `target`."""
+        raise NotImplementedError
+
+    @classmethod
+    def fit_problems(cls, spec: HeadSpec, state: dict, target) -> list[str]:
+        """What about these weights does not fit the target (vocabulary, hidden size)."""
+        return []
+
+    def published(self, vocab_maps: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+        """-> weights under their published names, this kind's config fields"""
+        return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, {}
+
+    def load_published(self, state: dict[str, torch.Tensor]) -> tuple[list, list]:
+        """Load weights read from a published checkpoint -> (missing, unexpected) keys"""
+        return self.load_state_dict(state, strict=False)
 
     def __init__(self, spec: HeadSpec):
         super().__init__()
@@ -165,6 +193,23 @@ class EagleHead(nn.Module):
 
 class Eagle1Head(EagleHead):
     version = 1
+    architecture = "LlamaForCausalLM"
+    unused_keys = ("lm_head.weight", "t2d")  # logits come through the target's LM head
+
+    @classmethod
+    def kind_fields(cls, raw, state, target):
+        return cls.default_fields(target, None, None)
+
+    @classmethod
+    def default_fields(cls, target, draft_vocab_size, feature_layers):
+        return dict(draft_vocab_size=target.vocab_size, own_lm_head=False, feature_layers=None)
+
+    @classmethod
+    def fit_problems(cls, spec, state, target):
+        if spec.hidden_size == target.hidden_size:
+            return []
+        return [f"EAGLE-1 fc.weight {tuple(state['fc.weight'].shape)} does not fit target hidden size "
+                f"{target.hidden_size}"]
 
     def __init__(self, spec: HeadSpec):
         super().__init__(spec)
@@ -182,6 +227,67 @@ class Eagle1Head(EagleHead):
 
 class Eagle3Head(EagleHead):
     version = 3
+    architecture = "LlamaForCausalLMEagle3"
+    single_layer_name = "midlayer"
+    unused_keys = ("t2d",)  # d2t says the same
+
+    @classmethod
+    def kind_fields(cls, raw, state, target):
+        layers = cls.feature_layers_of(raw, target.num_hidden_layers)
+        t_hidden = raw.get("target_hidden_size") or target.hidden_size
+        if state["fc.weight"].shape[1] != len(layers) * t_hidden:
+            raise ValueError(f"fc.weight is {tuple(state['fc.weight'].shape)} but fuses {len(layers)} "
+                             f"target layers of hidden size {t_hidden}")
+        own = "lm_head.weight" in state
+        vocab = state["lm_head.weight"].shape[0] if own else target.vocab_size
+        if own and raw.get("draft_vocab_size", vocab) != vocab:
+            raise ValueError(f"config draft_vocab_size {raw['draft_vocab_size']} != lm_head.weight rows {vocab}")
+        return dict(feature_layers=layers, own_lm_head=own, draft_vocab_size=vocab)
+
+    @staticmethod
+    def feature_layers_of(raw: dict, num_target_layers: int) -> tuple[int, ...]:
+        """Inputs of which target layers the head fuses, as its config says."""
+        if raw.get("eagle_aux_hidden_state_layer_ids"):  # vLLM, speculators: layer inputs
+            return tuple(raw["eagle_aux_hidden_state_layer_ids"])
+        nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if nested:  # SpecForge, SGLang: layer outputs = the next layers' inputs
+            return tuple(i + 1 for i in nested)
+        return eagle3_feature_layers(num_target_layers)
+
+    @classmethod
+    def default_fields(cls, target, draft_vocab_size, feature_layers):
+        layers = tuple(feature_layers or eagle3_feature_layers(target.num_hidden_layers))
+        return dict(feature_layers=layers, draft_vocab_size=draft_vocab_size or target.vocab_size,
+                    own_lm_head=True)
+
+    @classmethod
+    def fit_problems(cls, spec, state, target):
+        vocab, draft_vocab, d2t, t2d = target.vocab_size, spec.draft_vocab_size, state.get("d2t"), state.get("t2d")
+        problems = []
+        if d2t is None and draft_vocab != vocab:
+            problems.append(f"draft vocab {draft_vocab} != target vocab {vocab} and no d2t map")
+        if d2t is not None and (d2t.shape[0] != draft_vocab
+                                or int((torch.arange(draft_vocab) + d2t.long()).max()) >= vocab):
+            problems.append(f"d2t ({d2t.shape[0]} ids) does not map a draft vocab of {draft_vocab} "
+                            f"into the target vocab of {vocab}")
+        if t2d is not None and t2d.shape[0] != vocab:
+            problems.append(f"t2d covers {t2d.shape[0]} target ids, the target vocab has {vocab}")
+        return problems
+
+    def published(self, vocab_maps=True):
+        state, spec = super().published()[0], self.spec
+        if not vocab_maps:
+            state.pop("d2t")
+        else:
+            t2d = torch.zeros(spec.layer.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(spec.draft_vocab_size) + state["d2t"]] = True
+            state["t2d"] = t2d
+        return state, {"draft_vocab_size": spec.draft_vocab_size, "norm_before_residual": spec.norm_before_residual,
+                       "eagle_aux_hidden_state_layer_ids": list(spec.feature_layers)}
+
+    def load_published(self, state):
+        state = {"d2t": torch.zeros(self.spec.draft_vocab_size, dtype=torch.int64)} | state  # none: identity
+        return super().load_published(state)
 
     def __init__(self, spec: HeadSpec):
         super().__init__(spec)
@@ -250,21 +356,15 @@ def random_head(target_config, version: int, draft_vocab_size: int | None = None
     random_norms: norm weights drawn from [0.5, 1.5] rather than ones (a dropped norm shows);
     spec_fields: other HeadSpec fields (layer, num_layers, biases, qk_norm, ...)."""
     torch.manual_seed(seed)
-    vocab = target_config.vocab_size
-    layers = None
-    if version == 3:
-        layers = tuple(feature_layers or eagle3_feature_layers(target_config.num_hidden_layers))
-        vocab = draft_vocab_size or vocab
-    spec_fields.setdefault("layer", layer_config(target_config))
-    spec_fields.setdefault("own_lm_head", version == 3)
-    spec = HeadSpec(target_hidden_size=target_config.hidden_size, draft_vocab_size=vocab, fc_bias=fc_bias,
-                    feature_layers=layers, **spec_fields)
-    head = HEAD_KINDS[version](spec)
+    kind = HEAD_KINDS[version]
+    fields = kind.default_fields(target_config, draft_vocab_size, feature_layers) | spec_fields
+    fields.setdefault("layer", layer_config(target_config))
+    head = kind(HeadSpec(target_hidden_size=target_config.hidden_size, fc_bias=fc_bias, **fields))
     for name, p in head.named_parameters():
         if p.ndim == 2:
             torch.nn.init.normal_(p, std=0.02)
         elif random_norms and name.endswith("norm.weight"):
             torch.nn.init.uniform_(p, 0.5, 1.5)
-    if version == 3 and d2t is not None:
+    if d2t is not None:
         head.d2t.copy_(d2t)
     return head

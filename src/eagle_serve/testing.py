@@ -93,7 +93,7 @@ def make_random_head(dest: str | Path, target_dir: str | Path, version: int, *,
     vocabulary the draft ids map to every other target id (a non-trivial d2t)."""
     target_config = load_target_config(target_dir)
     d2t = None
-    if version == 3 and draft_vocab_size and draft_vocab_size < target_config.vocab_size:
+    if draft_vocab_size and draft_vocab_size < target_config.vocab_size:
         d2t = torch.arange(draft_vocab_size, dtype=torch.int64)  # draft i -> target 2i
     head = random_head(target_config, version, draft_vocab_size, fc_bias=fc_bias, seed=seed, d2t=d2t)
     return save_head(head, dest, fmt=fmt, vocab_maps=with_d2t)
@@ -117,15 +117,11 @@ def write_head_layout(head: EagleHead, dest: str | Path, layout: str, target_dir
     dest, target_dir = Path(dest), Path(target_dir)
     dest.mkdir(parents=True, exist_ok=True)
     spec, target = head.spec, load_target_config(target_dir)
-    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    state, _ = head.published()  # EAGLE-3: with t2d
     if embed is None:
         embed = read_target_tensor(target_dir, ["model.embed_tokens.weight"])
     if layout != "eagle3":
         state["embed_tokens.weight"] = embed.to(state["fc.weight"].dtype).contiguous()
-    if head.version == 3:
-        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(spec.draft_vocab_size) + state["d2t"]] = True
-        state["t2d"] = t2d
     if layout in ("eagle3", "specforge"):
         state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
     layer = dict(hidden_act="silu", hidden_size=spec.hidden_size, intermediate_size=spec.layer.intermediate_size,
