@@ -13,8 +13,10 @@ feature [T, H], which is both what its logits read and what the next draft step 
   vocabulary with target id = draft id + d2t[draft id], or the target's LM head if the head
   has none.
 
-Parameter names follow the published layouts (`fc`, `layers.{i}.*`, `norm`, `lm_head`, `d2t`);
-checkpoints.py maps files onto them. Knows nothing about files, requests or drafting policy.
+Parameter names follow the published layouts (`fc`, `layers.{i}.*`, `norm`, `lm_head`, `d2t`).
+Each kind also reads and writes its own fields of a published config and names what in its
+weights does not fit a target; checkpoints.py does the file work and the checks every kind
+shares. Knows nothing about files, requests or drafting policy.
 """
 from __future__ import annotations
 
