@@ -11,6 +11,12 @@ new token j (key position seq_len_b - n_b + j) only where tree_mask[b, i, j] is 
 for i's ancestors and i itself); the context before the new tokens stays visible, and the mask
 refines the causal one (entries j > i are ignored). A lower-triangular mask is the default.
 
+Sliding windows (window > 0): a query sees only keys less than `window` positions behind it,
+positions counted along the sequence (`positions`, the RoPE positions of the new tokens; the
+context before them sits at its own index), so a draft-tree node's window is that of its path.
+Soft-capping (softcap > 0): scores become softcap * tanh(scores / softcap) before the softmax
+(Gemma 2). Both are off by default.
+
 The kernel is flash-attention over the pages: one program per (request, block of queries,
 kv head) holds the queries of every q head that shares the kv head (GQA) as rows, and walks
 the keys a block at a time, finding each key's slot through the block table (any page size).
@@ -44,12 +50,14 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float,
-                        tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        tree_mask: torch.Tensor | None = None, window: int = 0,
+                        softcap: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's queries over its cached context (GQA).
 
     q: [T, q_heads, D]; k_cache, v_cache: [num_pages, page_size, kv_heads, D];
     block_tables: [B, P] int64 (-1 padded); cu_seqlens_q: [B+1]; seq_lens: [B];
-    tree_mask: None or [B, Qt, Qt] bool (see the module docstring) -> [T, q_heads, D]
+    tree_mask: None or [B, Qt, Qt] bool; window, softcap: 0 = off; positions: None (= the
+    stored positions) or [T] (see the module docstring) -> [T, q_heads, D]
     """
     num_req = block_tables.shape[0]
     page_size, kv_heads, head_dim = k_cache.shape[1:]
@@ -73,10 +81,32 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if tree_mask is not None:
         tree = _tree_visible(tree_mask, n_q, seq_lens, max_q, max_ctx)  # [B, Q, C]
         mask = mask & (tree | ~q_valid.unsqueeze(2))
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)  # [B, Hq, Q, D]
+    if window > 0:
+        mask = mask & (_in_window(positions, cu_seqlens_q, n_q, seq_lens, q_index, q_pos, max_ctx,
+                                  window) | ~q_valid.unsqueeze(2))
+    q_t, k_t, v_t = (x.transpose(1, 2).to(q.dtype) for x in (q_pad, keys, values))
+    if softcap > 0:  # SDPA has no soft-capping: the same math written out
+        group = q.shape[1] // kv_heads
+        scores = q_t @ k_t.repeat_interleave(group, 1).transpose(2, 3) * scale  # [B, Hq, Q, C]
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask.unsqueeze(1), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v_t.repeat_interleave(group, 1)  # [B, Hq, Q, D]
+    else:
+        out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask.unsqueeze(1), scale=scale,
+                                             enable_gqa=True)  # [B, Hq, Q, D]
     return out.transpose(1, 2)[q_valid]  # [T, Hq, D]
+
+
+def _in_window(positions, cu_seqlens_q, n_q, seq_lens, q_index, q_pos, max_ctx, window):
+    """-> [B, Q, C] bool: key c lies less than `window` positions behind query i (positions
+    along the sequence: a context key's is its index, a new token's is `positions`)."""
+    prefix = (seq_lens - n_q).unsqueeze(1)  # [B, 1]
+    k_pos = torch.arange(max_ctx, device=q_pos.device).expand(seq_lens.shape[0], max_ctx)  # [B, C]
+    if positions is not None:
+        q_pos = positions[q_index]  # [B, Q]
+        new = k_pos - prefix  # index among the new tokens, < 0 for context
+        own = (cu_seqlens_q[:-1].unsqueeze(1) + new.clamp(min=0)).clamp(max=positions.shape[0] - 1)
+        k_pos = torch.where(new >= 0, positions[own], k_pos)
+    return (q_pos.unsqueeze(2) - k_pos.unsqueeze(1)) < window
 
 
 ROWWISE_MAX_QUERIES = 16  # prefills of more tokens take the batched reference
@@ -85,7 +115,8 @@ ROWWISE_MAX_QUERIES = 16  # prefills of more tokens take the batched reference
 def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
-                            tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                            tree_mask: torch.Tensor | None = None, window: int = 0,
+                            softcap: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """As paged_attention_ref, but each decode/verify query attends alone, unmasked, over
     exactly the keys it sees (its context, then its ancestors in depth order for a tree).
 
@@ -101,6 +132,8 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     A prefill (a request's first forward: all its tokens new) of more than ROWWISE_MAX_QUERIES
     tokens goes through the batched reference on its own; every other request is row-invariant
     whatever its number of new tokens (a verify pass of a large draft tree: 17 or more rows).
+    A query's keys run along the sequence ([context, path] is positions 0 .. its own), so a
+    sliding window keeps the last `window` of them: what a decode step there keeps.
     Shapes as paged_attention_ref.
     """
     page_size, kv_heads, head_dim = k_cache.shape[1:]
@@ -118,20 +151,28 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 continue
             if n > ROWWISE_MAX_QUERIES and n == ctx_len:  # a prefill
                 mask = None if tree_mask is None else tree_mask[b:b + 1]
+                pos = None if positions is None else positions[start:start + n]
                 out32[start:start + n] = paged_attention_ref(
                     q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
-                    cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask
-                ).float().view(n, kv_heads, -1, head_dim)  # exact: back to q's dtype below
+                    cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask, window,
+                    softcap, pos).float().view(n, kv_heads, -1, head_dim)  # exact: back to q's dtype below
                 continue
             pages = block_tables[b, :-(-ctx_len // page_size)]
             keys = _heads_first(k_cache[pages], ctx_len)  # [Hkv, C, D] fp32
             values = _heads_first(v_cache[pages], ctx_len)
             keys_t = keys.transpose(1, 2)  # [Hkv, D, C]
             for i, length, gather in queries[b]:
-                k_t = keys_t[:, :, :length] if gather is None else keys.index_select(1, gather).transpose(1, 2)
-                v = values[:, :length] if gather is None else values.index_select(1, gather)  # [Hkv, L, D]
-                probs = torch.softmax(torch.bmm(q32[start + i], k_t), dim=-1)  # [Hkv, G, L]
-                torch.bmm(probs, v, out=out32[start + i])  # [Hkv, G, D]
+                first = max(0, length - window) if window > 0 else 0  # keys [first, length)
+                if gather is None:
+                    k_t, v = keys_t[:, :, first:length], values[:, first:length]
+                else:
+                    gather = gather[first:]
+                    k_t = keys.index_select(1, gather).transpose(1, 2)
+                    v = values.index_select(1, gather)  # [Hkv, L, D]
+                scores = torch.bmm(q32[start + i], k_t)  # [Hkv, G, L]
+                if softcap > 0:
+                    scores = torch.tanh(scores / softcap) * softcap
+                torch.bmm(torch.softmax(scores, dim=-1), v, out=out32[start + i])  # [Hkv, G, D]
         out.copy_(out32.view_as(out))
     finally:
         torch.set_num_threads(threads)
@@ -192,17 +233,17 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, impl: str | None = None):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                    impl: str | None = None, tree_mask=None):
+                    impl: str | None = None, tree_mask=None, window: int = 0, softcap: float = 0.0,
+                    positions=None):
     """Dispatch on q's device (impl as in kernels/__init__.py); CPU tensors in bf16/fp16 take
     the row-invariant path (their linears are row-invariant too: see eagle_serve.cpu_matmul)."""
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, tree_mask, window,
+            softcap, positions)
     if use_kernel(impl, q):
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                      scale, tree_mask)
+        return paged_attention_triton(*args)
     if impl is None and q.dtype in (torch.bfloat16, torch.float16):
-        return paged_attention_rowwise(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                       scale, tree_mask)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                               tree_mask)
+        return paged_attention_rowwise(*args)
+    return paged_attention_ref(*args)
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -226,7 +267,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                           tree_mask: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """As paged_attention_ref."""
     assert q.ndim == 3 and k_cache.ndim == 4 and k_cache.shape == v_cache.shape
     tokens, q_heads, head_dim = q.shape
@@ -250,15 +292,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_m, block_q = attention_tile(group, max_q)
     tables = block_tables.to(device, torch.int64).contiguous()
     tree = tree_mask if tree_mask is not None else tables  # any tensor; unused without a tree
+    if window > 0 and positions is None:  # the stored positions
+        n_q = cu[1:] - cu[:-1]
+        positions = torch.repeat_interleave(lens - n_q, n_q, output_size=tokens) + \
+            torch.arange(tokens, device=device) - torch.repeat_interleave(cu[:-1], n_q, output_size=tokens)
+    pos = positions.to(device, torch.int64).contiguous() if window > 0 else tables  # unused without
     _paged_attention_kernel[(num_req, triton.cdiv(max_q, block_q), kv_heads)](
-        q, k_cache, v_cache, tables, cu, lens, tree, out, scale,
+        q, k_cache, v_cache, tables, cu, lens, tree, pos, out, scale, max(int(window), 0),
+        float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tree.stride(0), tree.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None, PRECISION=attention_precision(q.dtype))
+        PAGE_SIZE=page_size, HAS_TREE=tree_mask is not None, HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0, PRECISION=attention_precision(q.dtype))
     return out
 
 
@@ -303,14 +352,16 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, W, S,
 
 @triton.jit(do_not_specialize=["stride_table", "stride_tree_b", "stride_tree_i"])
 def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_q_ptr, seq_lens_ptr, tree_ptr, out_ptr,
-        scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+        q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, cu_q_ptr, seq_lens_ptr, tree_ptr, pos_ptr,
+        out_ptr, scale, window, softcap, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tree_b,
         stride_tree_i, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr):
+        PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     # q, out: [T, Hq, D]; caches: [P, PAGE_SIZE, Hkv, D]; tables: [B, Pmax]; cu_q: [B+1];
-    # seq_lens: [B]; tree: [B, Qt, Qt] int8 (HAS_TREE). Grid: (B, cdiv(max_q, BLOCK_Q), Hkv)
+    # seq_lens: [B]; tree: [B, Qt, Qt] int8 (HAS_TREE); pos: [T] int64 positions of the new
+    # tokens (HAS_WINDOW). Grid: (B, cdiv(max_q, BLOCK_Q), Hkv)
     # Row m of the tile is query BLOCK_Q * pid(1) + m // GROUP of q head Hkv-group member m % GROUP.
     req = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -329,6 +380,8 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_rows + d[None, :], mask=row_ok[:, None] & (d < HEAD_DIM)[None, :],
                 other=0.0)
     q_pos = new_start + qi
+    if HAS_WINDOW:
+        q_wpos = tl.load(pos_ptr + q_start + qi, mask=row_ok, other=0)  # along the sequence
     # Keys past the block's last query are never visible; an empty block walks none.
     kv_end = tl.minimum(seq_len, new_start + tl.minimum(n_q, (q_block + 1) * BLOCK_Q))
     kv_end = tl.where(q_block * BLOCK_Q < n_q, kv_end, 0)
@@ -344,7 +397,14 @@ def _paged_attention_kernel(
         k_off = page * stride_kp + (t % PAGE_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
         k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=kd_ok, other=0.0)  # [D, N]
         scores = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale  # [M, N]
+        if HAS_SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         visible = row_ok[:, None] & t_ok[None, :] & (t[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            jn = t - new_start
+            k_wpos = tl.load(pos_ptr + q_start + jn, mask=t_ok & (jn >= 0), other=0)
+            k_wpos = tl.where(jn >= 0, k_wpos, t)
+            visible = visible & ((q_wpos[:, None] - k_wpos[None, :]) < window)
         if HAS_TREE:
             j = t - new_start  # index among the new tokens, < 0 for context
             tree_row = tree_ptr + req * stride_tree_b + qi[:, None] * stride_tree_i

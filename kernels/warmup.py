@@ -18,6 +18,8 @@ kernels.prepare_inputs is not warmed: the served path does not call it.
 """
 from __future__ import annotations
 
+import itertools
+
 import time
 from dataclasses import dataclass
 
@@ -47,10 +49,11 @@ def smallest_inputs(tile, sizes) -> dict:
     return picked
 
 
-def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int) -> int:
-    """KV writes (every BLOCK_T) and paged attention (every tile, with and without a draft tree)
-    on the model's own caches [P, page_size, Hkv, D]: writes skip every slot, reads change
-    nothing."""
+def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int,
+                   windows: set[int] = frozenset({0}), softcap: float = 0.0) -> int:
+    """KV writes (every BLOCK_T) and paged attention (every tile, with and without a draft tree,
+    for each sliding window the model's layers use (0 = none) and its soft-cap) on the model's
+    own caches [P, page_size, Hkv, D]: writes skip every slot, reads change nothing."""
     _, page_size, kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
     launches = 0
@@ -69,8 +72,9 @@ def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int) -
         cu = torch.tensor([0, n], dtype=torch.int64, device=device)
         lens = torch.tensor([n], dtype=torch.int64, device=device)
         causal = torch.ones((1, n, n), dtype=torch.bool, device=device).tril()
-        for tree in (None, causal):
-            paged_attention_triton(q, k_cache, v_cache, table, cu, lens, head_dim ** -0.5, tree)
+        for tree, window in itertools.product((None, causal), sorted(windows)):
+            paged_attention_triton(q, k_cache, v_cache, table, cu, lens, head_dim ** -0.5, tree,
+                                   window=window, softcap=softcap)
             launches += 1
     return launches
 
@@ -135,10 +139,12 @@ def _timed(device: torch.device, force: bool, warm) -> WarmupReport | None:
 
 
 def warm_target(model, force: bool = False) -> WarmupReport | None:
-    """What eagle_serve.llama.TargetModel launches: KV writes, attention, probabilities."""
+    """What eagle_serve.target.TargetModel launches: KV writes, attention, probabilities."""
     def warm():
         cache = model.cache
-        return (warm_attention(cache.keys[0], cache.values[0], model.config.num_attention_heads)
+        windows = {layer.window for layer in model.layers}
+        return (warm_attention(cache.keys[0], cache.values[0], model.config.num_attention_heads,
+                               windows, model.attn_softcap)
                 + warm_probs(model.vocab_size, model.dtype, model.device))
     return _timed(model.device, force, warm)
 
@@ -148,7 +154,7 @@ def warm_drafter(drafter, force: bool = False) -> WarmupReport | None:
     over its own vocabulary and sampling from them."""
     def warm():
         spec, cache = drafter.head.spec, drafter.cache
-        return (warm_attention(cache.keys[0], cache.values[0], spec.config.num_attention_heads)
+        return (warm_attention(cache.keys[0], cache.values[0], spec.layer.num_attention_heads)
                 + warm_probs(spec.draft_vocab_size, drafter.dtype, drafter.device)
                 + warm_sample(spec.draft_vocab_size, drafter.device))
     return _timed(drafter.device, force, warm)

@@ -1,14 +1,31 @@
-"""Read and write EAGLE heads in the published layouts (see reference/eagle.md).
+"""Read and write EAGLE heads in the published layouts (docs/models.md lists them).
 
-EAGLE-1: `fc.weight [H, 2H]` (+ optional `fc.bias`), `layers.0.*` without input_layernorm.
-EAGLE-3: `fc.weight [H, 3H_t]`, `midlayer.*` (or vLLM's `layers.0.*`), `norm.weight`,
-`lm_head.weight [V_draft, H]`, optional `d2t` (int64, target = draft + d2t[draft]), `t2d`.
-Files: model.safetensors or pytorch_model.bin (read with weights_only=True: no pickle code runs).
-The target's embedding (and LM head, for EAGLE-1) are read from the target folder.
+- EAGLE-1 (`yuhuili/EAGLE-*`): `fc.weight [H, 2H]` (+ `fc.bias`), `layers.{i}.*` (layer 0
+  without input_layernorm), optional `embed_tokens.weight`; a Llama config (`qkv_bias` for
+  Qwen2 heads).
+- EAGLE-3 (`yuhuili/EAGLE3-*`, SpecForge exports): `fc.weight [H, n x H_target]`, `midlayer.*`
+  (vLLM's naming: `layers.0.*`), `norm.weight`, `lm_head.weight [V_draft, H]` (absent = the
+  target's LM head), `d2t` (target id = draft id + d2t[draft id]), `t2d`, optional
+  `embed_tokens.weight`; config `LlamaForCausalLMEagle3` with `draft_vocab_size`,
+  `target_hidden_size`, and the fused layers as `eagle_aux_hidden_state_layer_ids` (vLLM: the
+  inputs of those layers) or SpecForge/SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`
+  (the outputs of those layers, i.e. the inputs of the next ones).
+- vLLM speculators (`speculators_model_type: eagle3`): the same weights under `layers.{i}.*`
+  (multi-layer heads), the layer shape in `transformer_layer_config` (llama or qwen3 layers),
+  `norm_before_residual` (vLLM's default when absent: true), `draft_vocab_size`,
+  `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `speculators_config`.
+
+Biases, q/k norms and the number of layers are read from the weights; a head's own embedding
+is used when it has one (vLLM does the same), else the target's. A head that does not fit its
+target (hidden sizes, vocabulary, feature layers) is refused with the mismatch named.
+Files: model.safetensors (or an index of shards) or pytorch_model.bin (read with
+weights_only=True: no pickle code runs).
 """
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,17 +34,28 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import use_cpu_linears
-from eagle_serve.drafter import DraftPruning, Drafter, DrafterSpec, EagleHead
-from eagle_serve.llama import eagle3_feature_layers
+from eagle_serve.drafter import DraftPruning, Drafter
+from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec, random_head
+from eagle_serve.target import load_target_config
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the EAGLE layouts or the target."""
 
 
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "parallel_drafting")
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_theta",
+                "rope_scaling", "rope_parameters", "hidden_act")
+
+
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / "model.safetensors").exists():
         return load_file(str(folder / "model.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(str(folder / shard)).items()}
     if (folder / "pytorch_model.bin").exists():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
@@ -47,67 +75,111 @@ def read_target_tensor(target_dir: Path, names: list[str]) -> torch.Tensor | Non
     return None
 
 
-def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Accept `model.` prefixes and vLLM's `layers.0.` naming of the EAGLE-3 midlayer."""
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-    eagle3 = any(k.startswith("midlayer.") or k.endswith("hidden_norm.weight") for k in state)
-    if eagle3:
-        state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
-                 for k, v in state.items()}
-    return state
+@dataclass
+class HeadCheckpoint:
+    """A head read from a folder: its kind, spec, weights under our names, own embedding."""
+    kind: type[EagleHead]
+    spec: HeadSpec
+    state: dict[str, torch.Tensor]
+    embed: torch.Tensor | None  # [V, H] the head's own embedding, if it ships one
 
 
-def inspect_checkpoint(folder: Path, state: dict[str, torch.Tensor],
-                       target_config: LlamaConfig) -> DrafterSpec:
+def read_head(folder: str | Path, target_config) -> HeadCheckpoint:
+    folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{folder}: config.json is missing")
     raw = json.loads(cfg_path.read_text())
-    raw.pop("architectures", None)
-    config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
-    config.num_hidden_layers = 1
-    version = 3 if any(k.startswith("midlayer.") for k in state) else 1
-    if "fc.weight" not in state:
-        raise CheckpointError(f"{folder}: no fc.weight; not an EAGLE head")
-    h, fc_in = state["fc.weight"].shape
-    if h != config.hidden_size:
-        raise CheckpointError(f"{folder}: fc.weight is {tuple(state['fc.weight'].shape)} but "
-                              f"config hidden_size is {config.hidden_size}")
+    state = {k.removeprefix("model."): v for k, v in read_state_dict(folder).items()}
+    state = {re.sub(r"^midlayer\.", "layers.0.", k): v for k, v in state.items()
+             if not k.startswith("verifier_")}
+    speculators = "speculators_model_type" in raw
+    if speculators and raw["speculators_model_type"] != "eagle3":
+        raise CheckpointError(f"{folder}: speculators model type '{raw['speculators_model_type']}' "
+                              "is not supported (eagle3 is)")
+    if "fc.weight" not in state or not any(k.startswith("layers.0.") for k in state):
+        raise CheckpointError(f"{folder}: no fc.weight and layers.0 / midlayer weights; not an EAGLE head")
+    kind = HEAD_KINDS[3 if speculators or "layers.0.hidden_norm.weight" in state else 1]
+    layer_raw = raw.get("transformer_layer_config", {}) if speculators else raw
+    _refuse_unsupported(folder, raw, layer_raw)
+    spec = _spec(folder, raw, layer_raw, state, kind, target_config, speculators)
+    embed = state.pop("embed_tokens.weight", None)
+    problems = _fit_problems(spec, embed, target_config) + kind.fit_problems(spec, state, target_config)
+    if problems:
+        raise CheckpointError(f"{folder}: head does not fit the target: {'; '.join(problems)}")
+    for key in kind.unused_keys:
+        state.pop(key, None)
+    return HeadCheckpoint(kind, spec, state, embed)
+
+
+def _refuse_unsupported(folder: Path, raw: dict, layer_raw: dict) -> None:
+    flags = [name for name in UNSUPPORTED_FLAGS if raw.get(name)]
+    if raw.get("eagle_config", {}).get("use_aux_hidden_state") is False:
+        flags.append("eagle_config.use_aux_hidden_state=false")
+    if flags:
+        raise CheckpointError(f"{folder}: head options not supported: {', '.join(flags)}")
+    if layer_raw.get("model_type", "llama") not in ("llama", "qwen3") and "speculators_model_type" in raw:
+        raise CheckpointError(f"{folder}: transformer_layer_config model type "
+                              f"'{layer_raw['model_type']}' is not supported (llama, qwen3 are)")
+    if layer_raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{folder}: hidden_act '{layer_raw['hidden_act']}' is not supported (silu is)")
+    if "sliding_attention" in (layer_raw.get("layer_types") or []):
+        raise CheckpointError(f"{folder}: sliding-window head layers are not supported")
+
+
+def _spec(folder, raw, layer_raw, state, kind, target_config, speculators) -> HeadSpec:
+    """What the config and the weights say the head is; biases, q/k norms and the number of
+    layers from the weights, the rest of the layer shape from the config."""
+    layer = LlamaConfig(**{k: layer_raw[k] for k in LAYER_FIELDS if layer_raw.get(k) is not None})
+    indices = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
+    num_layers = len(indices)
+    declared = layer_raw.get("num_hidden_layers", num_layers)
+    if indices != set(range(num_layers)) or declared != num_layers:
+        raise CheckpointError(f"{folder}: config num_hidden_layers is {declared} but the weights "
+                              f"hold layers {sorted(indices)}")
+    if state["fc.weight"].shape[0] != layer.hidden_size:
+        raise CheckpointError(f"{folder}: fc.weight is {tuple(state['fc.weight'].shape)} but config "
+                              f"hidden_size is {layer.hidden_size}")
     t_hidden = raw.get("target_hidden_size") or target_config.hidden_size
-    if version == 1 and (fc_in != 2 * h or h != target_config.hidden_size):
-        raise CheckpointError(f"{folder}: EAGLE-1 fc.weight {tuple(state['fc.weight'].shape)} "
-                              f"does not fit target hidden size {target_config.hidden_size}")
-    if version == 3 and fc_in != 3 * t_hidden:
-        raise CheckpointError(f"{folder}: EAGLE-3 fc.weight {tuple(state['fc.weight'].shape)} "
-                              f"needs [H, 3 x {t_hidden}] for this target")
-    draft_vocab = state["lm_head.weight"].shape[0] if version == 3 else target_config.vocab_size
-    if version == 3 and "d2t" not in state and draft_vocab != target_config.vocab_size:
-        raise CheckpointError(f"{folder}: draft vocab {draft_vocab} != target vocab "
-                              f"{target_config.vocab_size} and no d2t map")
-    layers = raw.get("eagle_aux_hidden_state_layer_ids") or (
-        raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
-    feature_layers = (tuple(layers) if layers else eagle3_feature_layers(
-        target_config.num_hidden_layers)) if version == 3 else None
-    return DrafterSpec(version=version, config=config, target_hidden_size=t_hidden,
-                       draft_vocab_size=draft_vocab, fc_bias="fc.bias" in state,
-                       feature_layers=feature_layers)
+    if t_hidden != target_config.hidden_size:
+        raise CheckpointError(f"{folder}: head does not fit the target: head expects target hidden size "
+                              f"{t_hidden}, target has {target_config.hidden_size}")
+    try:
+        fields = kind.kind_fields(raw, state, target_config)
+    except ValueError as error:
+        raise CheckpointError(f"{folder}: {error}") from None
+    has = lambda name: f"layers.0.{name}" in state  # noqa: E731
+    return HeadSpec(layer=layer, target_hidden_size=t_hidden, num_layers=num_layers,
+                    fc_bias="fc.bias" in state, qkv_bias=has("self_attn.q_proj.bias"),
+                    o_bias=has("self_attn.o_proj.bias"), mlp_bias=has("mlp.gate_proj.bias"),
+                    qk_norm=has("self_attn.q_norm.weight"),
+                    norm_before_residual=bool(raw.get("norm_before_residual", speculators)), **fields)
+
+
+def _fit_problems(spec: HeadSpec, embed, target) -> list[str]:
+    """What does not fit the target whatever the head kind: embedding, feature layers."""
+    vocab, hidden, problems = target.vocab_size, target.hidden_size, []
+    if embed is None and spec.hidden_size != hidden:
+        problems.append(f"head hidden size {spec.hidden_size} != target hidden size {hidden} and the "
+                        "head has no embed_tokens of its own")
+    if embed is not None and tuple(embed.shape) != (vocab, spec.hidden_size):
+        problems.append(f"embed_tokens is {tuple(embed.shape)}, needs [target vocab {vocab}, {spec.hidden_size}]")
+    if spec.feature_layers and not all(0 <= i < target.num_hidden_layers for i in spec.feature_layers):
+        problems.append(f"feature layers {spec.feature_layers} outside the target's "
+                        f"{target.num_hidden_layers} layers")
+    return problems
 
 
 def load_head(folder: str | Path, target_dir: str | Path, dtype=torch.float32,
               device="cpu") -> EagleHead:
-    folder, target_dir = Path(folder), Path(target_dir)
-    target_config = LlamaConfig.from_pretrained(str(target_dir))
-    state = _normalise_keys(read_state_dict(folder))
-    spec = inspect_checkpoint(folder, state, target_config)
-    head = EagleHead(spec)
-    for extra in ("embed_tokens.weight", "t2d", "lm_head.weight" if spec.version == 1 else ""):
-        state.pop(extra, None)
-    if spec.version == 3 and "d2t" not in state:
-        state["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.int64)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("rotary.")]
+    return _build(read_head(folder, load_target_config(target_dir)), folder, dtype, device)
+
+
+def _build(ckpt: HeadCheckpoint, folder, dtype, device) -> EagleHead:
+    head = ckpt.kind(ckpt.spec)
+    missing, unexpected = head.load_published(ckpt.state)
     if missing or unexpected:
-        raise CheckpointError(f"{folder}: does not match the EAGLE-{spec.version} layout; "
+        raise CheckpointError(f"{folder}: does not match the EAGLE-{head.version} layout; "
                               f"missing {missing[:6]}, unexpected {unexpected[:6]}")
     return head.to(device=device, dtype=dtype)
 
@@ -115,43 +187,38 @@ def load_head(folder: str | Path, target_dir: str | Path, dtype=torch.float32,
 def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.float32, device="cpu",
                  num_pages: int = 256, page_size: int = 16,
                  pruning: DraftPruning = DraftPruning()) -> Drafter:
-    head = load_head(folder, target_dir, dtype, device)
+    target_dir = Path(target_dir)
+    ckpt = read_head(folder, load_target_config(target_dir))
+    head = _build(ckpt, folder, dtype, device)
     if torch.device(device).type == "cpu":
         use_cpu_linears(head)
-    target_dir = Path(target_dir)
-    embed = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])
+    embed = ckpt.embed
+    if embed is None:
+        embed = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])
     if embed is None:
         raise CheckpointError(f"{target_dir}: no embed_tokens weight found")
     lm_head = None
-    if head.version == 1:
+    if head.uses_target_lm_head:
         lm_head = read_target_tensor(target_dir, ["lm_head.weight"])
-        lm_head = embed if lm_head is None else lm_head  # tied embeddings
+        if lm_head is None:  # tied embeddings
+            lm_head = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])
     return Drafter(head, embed.to(device), None if lm_head is None else lm_head.to(device),
                    num_pages=num_pages, page_size=page_size, pruning=pruning)
 
 
 def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",
               extra_config: dict | None = None, vocab_maps: bool = True) -> Path:
-    """Write `head` in its published layout (EAGLE-1 or EAGLE-3) with a config.json.
-    vocab_maps=False leaves out d2t/t2d (as heads whose vocabulary equals the target's do)."""
+    """Write `head` in its kind's published layout (a one-layer EAGLE-3 head as `midlayer.*`)
+    with a config.json. vocab_maps=False leaves out d2t/t2d (as heads whose vocabulary equals
+    the target's do)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()
-             if not k.startswith("rotary.")}
-    if head.version == 3 and not vocab_maps:
-        state.pop("d2t")
-    elif head.version == 3:
-        vocab = head.spec.config.vocab_size
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[torch.arange(head.spec.draft_vocab_size) + state["d2t"]] = True
-        state["t2d"] = t2d
-    config = head.spec.config.to_dict()
-    config.update(architectures=["LlamaForCausalLMEagle3" if head.version == 3 else "LlamaForCausalLM"],
-                  num_hidden_layers=1, target_hidden_size=head.spec.target_hidden_size,
-                  **({"draft_vocab_size": head.spec.draft_vocab_size,
-                      "eagle_aux_hidden_state_layer_ids": list(head.spec.feature_layers)}
-                     if head.version == 3 else {}),
-                  **(extra_config or {}))
+    state, fields = head.published(vocab_maps)
+    if head.num_layers == 1:
+        state = {re.sub(r"^layers\.0\.", head.single_layer_name + ".", k): v for k, v in state.items()}
+    config = head.spec.layer.to_dict() | {
+        "architectures": [head.architecture], "num_hidden_layers": head.num_layers,
+        "target_hidden_size": head.spec.target_hidden_size} | fields | (extra_config or {})
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
     if fmt == "safetensors":
         save_file(state, str(folder / "model.safetensors"))
@@ -160,42 +227,9 @@ def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",
     return folder
 
 
-def head_config(target_config: LlamaConfig, draft_vocab_size: int | None = None) -> LlamaConfig:
-    """A one-layer head config shaped like the target's layers."""
-    cfg = LlamaConfig(**{k: v for k, v in target_config.to_dict().items()
-                         if k not in ("model_type", "architectures", "quantization_config")})
-    cfg.num_hidden_layers = 1
-    if draft_vocab_size:
-        cfg.draft_vocab_size = draft_vocab_size
-    return cfg
-
-
-def random_head(target_config: LlamaConfig, version: int, draft_vocab_size: int | None = None,
-                fc_bias: bool = False, seed: int = 0, d2t: torch.Tensor | None = None,
-                feature_layers: tuple[int, ...] | None = None) -> EagleHead:
-    """A seeded random head (tests, and the placeholder drafter before training).
-    feature_layers: the target layers (inputs of) an EAGLE-3 head fuses; default 2, L//2, L-3."""
-    torch.manual_seed(seed)
-    vocab = draft_vocab_size or target_config.vocab_size
-    layers = (tuple(feature_layers) if feature_layers else
-              eagle3_feature_layers(target_config.num_hidden_layers)) if version == 3 else None
-    spec = DrafterSpec(version=version, config=head_config(target_config, vocab if version == 3 else None),
-                       target_hidden_size=target_config.hidden_size,
-                       draft_vocab_size=vocab if version == 3 else target_config.vocab_size,
-                       fc_bias=fc_bias, feature_layers=layers)
-    head = EagleHead(spec)
-    for p in head.parameters():
-        if p.ndim == 2:
-            torch.nn.init.normal_(p, std=0.02)
-    if version == 3:
-        head.d2t = d2t if d2t is not None else torch.zeros(vocab, dtype=torch.int64)
-    return head
-
-
 def write_random_eagle3_head(dest: Path, target_dir: Path, draft_vocab_size: int, seed: int = 0):
     """Seeded random EAGLE-3 head whose draft vocabulary is the first `draft_vocab_size` ids."""
-    target_config = LlamaConfig.from_pretrained(str(target_dir))
-    head = random_head(target_config, 3, draft_vocab_size, seed=seed)
+    head = random_head(load_target_config(target_dir), 3, draft_vocab_size, seed=seed)
     tmp = dest.with_name(dest.name + ".tmp")
     save_head(head, tmp)
     tmp.rename(dest)

@@ -106,7 +106,7 @@ def _bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: in
     from eagle_serve import paths
     from eagle_serve.interfaces import RaggedBatch
     from eagle_serve.kv_pages import PagePool
-    from eagle_serve.llama import TargetModel
+    from eagle_serve.target import TargetModel
 
     folder = paths.default_target_dir()
     ours = TargetModel(folder, num_pages=64)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.drafter import DraftPruning
 from eagle_serve.engine import Engine, EngineConfig
-from eagle_serve.llama import TargetModel
+from eagle_serve.target import TargetModel
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}

@@ -1,42 +1,77 @@
 """Small models for tests and for exact-equality server runs: no weights downloaded.
 
-`make_tiny_llama` writes a random Llama (GQA) as an ordinary HF folder with the default
-model's tokenizer, so the same code path serves it; float64 makes greedy near-ties impossible
-in practice. `OracleDrafter` proposes the target's true greedy continuation with injected
-mistakes, so multi-token acceptance and KV rollback really run in tests.
+`make_tiny_target` writes a random model of any supported architecture (`make_tiny_llama`: a
+Llama with GQA) as an ordinary HF folder with the default model's tokenizer, so the same code
+path serves it; float64 makes greedy near-ties impossible in practice. `write_head_layout`
+writes a head the way each published tool lays it out. `OracleDrafter` proposes the target's
+true greedy continuation with injected mistakes, so multi-token acceptance and KV rollback
+really run in tests.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from eagle_serve import paths
-from eagle_serve.checkpoints import random_head, save_head
+from eagle_serve.checkpoints import read_target_tensor, save_head
+from eagle_serve.heads import EagleHead, random_head
 from eagle_serve.interfaces import DraftOutput, RaggedBatch, RowSampling
+from eagle_serve.target import load_target_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
 
+# Tiny configs of every supported architecture (name -> transformers config class, fields),
+# each quirk switched on so that a test notices when it is dropped: windows shorter than the
+# test prompts, small soft-caps, partial rotary, routed experts; biases and norm weights are
+# drawn at random (HF initialises them to zeros and ones).
+GEMMA_TINY = dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24, tie_word_embeddings=True)
+TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", dict(sliding_window=7)),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2-sliding": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=7, max_window_layers=2)),
+    "qwen3": ("Qwen3Config", {}),
+    "gemma2": ("Gemma2Config", dict(GEMMA_TINY, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", dict(GEMMA_TINY, layer_types=["sliding_attention", "full_attention"] * 2,
+                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=9)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=9)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         mlp_only_layers=[1], norm_topk_prob=True)),
+}
 
-def make_tiny_llama(dest: str | Path, *, vocab_size: int = 49152, hidden_size: int = 64,
-                    num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
-                    seed: int = 0, dtype=torch.float64, tokenizer_from: Path | None = None,
-                    tie_word_embeddings: bool = False) -> Path:
+
+def make_tiny_target(dest: str | Path, arch: str = "llama", *, vocab_size: int = 49152,
+                     hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4,
+                     num_kv_heads: int = 2, seed: int = 0, dtype=torch.float64,
+                     tokenizer_from: Path | None = None, random_norms_and_biases: bool = True,
+                     **fields) -> Path:
+    """A seeded random model of TINY_ARCHITECTURES[arch] saved as an HF folder (kept if there)."""
     dest = Path(dest)
     if (dest / "config.json").exists():
         return dest
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=1,
-                         eos_token_id=2, tie_word_embeddings=tie_word_embeddings)
-    model = LlamaForCausalLM(config).to(dtype)
-    with torch.no_grad():  # larger logits than the default init: fewer near-ties, livelier text
-        model.lm_head.weight.mul_(8.0)
+    config_class, quirks = TINY_ARCHITECTURES[arch]
+    config = getattr(transformers, config_class)(**(dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False) | quirks | fields))
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():
+        if random_norms_and_biases:
+            for name, p in model.named_parameters():
+                if p.ndim == 1 and ("norm" in name or name.endswith("bias")):
+                    p.add_(torch.empty_like(p).uniform_(-0.5, 0.5))
+        model.lm_head.weight.mul_(8.0)  # larger logits than the default init: fewer near-ties
     model.save_pretrained(dest)
     src = Path(tokenizer_from or paths.default_target_dir())
     for name in TOKENIZER_FILES:
@@ -45,17 +80,84 @@ def make_tiny_llama(dest: str | Path, *, vocab_size: int = 49152, hidden_size: i
     return dest
 
 
+def make_tiny_llama(dest: str | Path, *, tie_word_embeddings: bool = False, **kw) -> Path:
+    """The tiny Llama of the engine and server tests (HF's initialisation of norms)."""
+    return make_tiny_target(dest, "llama", random_norms_and_biases=False,
+                            tie_word_embeddings=tie_word_embeddings, **kw)
+
+
 def make_random_head(dest: str | Path, target_dir: str | Path, version: int, *,
                      draft_vocab_size: int | None = None, fc_bias: bool = False, with_d2t=True,
                      fmt: str = "safetensors", seed: int = 0) -> Path:
     """A random head in the published EAGLE-1/EAGLE-3 layout. For EAGLE-3 with a reduced
     vocabulary the draft ids map to every other target id (a non-trivial d2t)."""
-    target_config = LlamaConfig.from_pretrained(str(target_dir))
+    target_config = load_target_config(target_dir)
     d2t = None
-    if version == 3 and draft_vocab_size and draft_vocab_size < target_config.vocab_size:
+    if draft_vocab_size and draft_vocab_size < target_config.vocab_size:
         d2t = torch.arange(draft_vocab_size, dtype=torch.int64)  # draft i -> target 2i
     head = random_head(target_config, version, draft_vocab_size, fc_bias=fc_bias, seed=seed, d2t=d2t)
     return save_head(head, dest, fmt=fmt, vocab_maps=with_d2t)
+
+
+# ---- heads as the published tools write them ----
+
+HEAD_LAYOUTS = ("eagle1", "eagle3", "specforge", "speculators")
+
+
+def write_head_layout(head: EagleHead, dest: str | Path, layout: str, target_dir: str | Path, *,
+                      embed: torch.Tensor | None = None, extra_config: dict | None = None) -> Path:
+    """Write `head` with exactly the key names and config fields of `layout`:
+    eagle1 - yuhuili/EAGLE-* (pytorch_model.bin, `layers.{i}.*`, the target's embed_tokens);
+    eagle3 - yuhuili/EAGLE3-* (pytorch_model.bin, `midlayer.*`, d2t, t2d);
+    specforge - SpecForge's export (model.safetensors, `midlayer.*`, embed_tokens, d2t, t2d);
+    speculators - vLLM speculators (model.safetensors, `layers.{i}.*`, embed_tokens, d2t, t2d,
+    `transformer_layer_config`, `speculators_config`).
+    embed: the embedding to ship (default: the target's); extra_config: fields to add or
+    override (None values remove a field)."""
+    dest, target_dir = Path(dest), Path(target_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    spec, target = head.spec, load_target_config(target_dir)
+    state, _ = head.published()  # EAGLE-3: with t2d
+    if embed is None:
+        embed = read_target_tensor(target_dir, ["model.embed_tokens.weight"])
+    if layout != "eagle3":
+        state["embed_tokens.weight"] = embed.to(state["fc.weight"].dtype).contiguous()
+    if layout in ("eagle3", "specforge"):
+        state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}
+    layer = dict(hidden_act="silu", hidden_size=spec.hidden_size, intermediate_size=spec.layer.intermediate_size,
+                 num_attention_heads=spec.layer.num_attention_heads, head_dim=spec.head_dim,
+                 num_key_value_heads=spec.layer.num_key_value_heads, num_hidden_layers=head.num_layers,
+                 rms_norm_eps=spec.layer.rms_norm_eps, rope_theta=spec.layer.rope_parameters["rope_theta"],
+                 rope_scaling=None, max_position_embeddings=4096, vocab_size=target.vocab_size,
+                 attention_bias=spec.o_bias, mlp_bias=spec.mlp_bias, tie_word_embeddings=False,
+                 bos_token_id=1, eos_token_id=2, torch_dtype="float16", model_type="llama")
+    if layout == "eagle1":
+        config = layer | {"architectures": ["LlamaForCausalLM"], "pad_token_id": 0,
+                          **({"qkv_bias": True} if spec.qkv_bias else {})}
+    elif layout in ("eagle3", "specforge"):
+        config = layer | {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": spec.draft_vocab_size}
+    else:
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "speculators_version": "0.3.0", "draft_vocab_size": spec.draft_vocab_size,
+                  "norm_before_residual": spec.norm_before_residual, "norm_before_fc": False,
+                  "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+                  "target_hidden_size": spec.target_hidden_size,
+                  "eagle_aux_hidden_state_layer_ids": list(spec.feature_layers),
+                  "transformer_layer_config": layer | {"model_type": "qwen3" if spec.qk_norm else "llama"},
+                  "speculators_config": {
+                      "algorithm": "eagle3", "default_proposal_method": "greedy",
+                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                            "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                      "verifier": {"name_or_path": str(target_dir), "architectures": target.architectures}},
+                  "torch_dtype": "float16"}
+    for key, value in (extra_config or {}).items():
+        config.pop(key) if value is None else config.__setitem__(key, value)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    if layout in ("eagle1", "eagle3"):
+        torch.save(state, dest / "pytorch_model.bin")
+    else:
+        save_file(state, str(dest / "model.safetensors"))
+    return dest
 
 
 class OracleDrafter:

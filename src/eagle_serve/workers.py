@@ -73,7 +73,7 @@ class TargetWorker(_Worker):
     def __init__(self, args: dict):
         super().__init__(args)
         from eagle_serve.checkpoints import load_head
-        from eagle_serve.llama import TargetModel
+        from eagle_serve.target import TargetModel
 
         layers = None
         if self.drafter_dir is not None:

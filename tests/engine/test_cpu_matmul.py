@@ -7,7 +7,7 @@ from torch import nn
 
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.cpu_matmul import CpuLinear
-from eagle_serve.llama import TargetModel
+from eagle_serve.target import TargetModel
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])

@@ -12,7 +12,7 @@ from eagle_serve.checkpoints import CheckpointError, load_drafter, load_head
 from eagle_serve.engine import SamplingParams
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.llama import TargetModel
+from eagle_serve.target import TargetModel
 from eagle_serve.local import build_local_engine
 from eagle_serve.testing import make_random_head
 
@@ -109,7 +109,7 @@ def test_a_head_for_another_target_fails_with_a_clear_message(tmp_path, tiny_tar
     cfg = json.loads((tiny_target / "config.json").read_text())
     cfg["hidden_size"] = 96
     (other / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="does not fit target hidden size 96"):
+    with pytest.raises(CheckpointError, match="head expects target hidden size 64, target has 96"):
         load_head(head_dir, other)
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eagle_serve.checkpoints import load_drafter, random_head
+from eagle_serve.checkpoints import load_drafter
+from eagle_serve.heads import random_head
 from eagle_serve.engine import SamplingParams
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.llama import TargetModel
+from eagle_serve.target import TargetModel
 from eagle_serve.local import build_local_engine
 from eagle_serve.train.trainer import (TrainConfig, Trainer, _prefill_batch, compute_features, target_to_draft,
                                        unrolled_hidden, unrolled_loss)

@@ -154,7 +154,7 @@ def test_with_max_tree_batch_a_full_round_drafts_chains_of_the_tree_depth_and_a_
 @torch.inference_mode()
 def test_tree_attention_in_the_drafter_equals_recomputing_each_path_as_a_chain(
         request, tiny_target, prompts, head_name):
-    from eagle_serve.llama import TargetModel
+    from eagle_serve.target import TargetModel
     head_dir = request.getfixturevalue(head_name)
     drafter = load_drafter(head_dir, tiny_target, dtype=torch.float64, num_pages=32, page_size=4)
     target = TargetModel(tiny_target, dtype=torch.float64, num_pages=32, page_size=4,

@@ -7,6 +7,7 @@ with float16 spot checks. The Triton version must be the GPU image's (requiremen
 Runs in a subprocess, since this session's triton was imported with TRITON_INTERPRET=1."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -42,14 +43,19 @@ def specs():
         for dtype in ("bf16", "fp32", "fp16"):
             tiles = smallest_inputs(lambda q: pa.attention_tile(group, q), range(1, MAX_QUERIES + 1))
             spot_check = dtype == "fp16"  # one tile: dtype coverage, not every tile again
-            for block_m, block_q in list(tiles)[:1] if spot_check else tiles:
-                for tree in (False, True):
+            # every tile without window/soft-cap (the default model's case); one tile for each
+            # window/soft-cap combination (Mistral, Qwen2, Gemma)
+            for i, (block_m, block_q) in enumerate(list(tiles)[:1] if spot_check else tiles):
+                extras = [(False, False)] + ([(True, False), (False, True), (True, True)] if i == 0 else [])
+                for tree, (window, softcap) in itertools.product((False, True), extras):
                     add(pa._paged_attention_kernel,
-                        [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", f"*{dtype}", "fp32"] + [I32] * 13,
+                        [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", I64, f"*{dtype}", "fp32", I32, "fp32"]
+                        + [I32] * 13,
                         dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
                              BLOCK_D=max(16, 1 << (shape["head_dim"] - 1).bit_length()),
                              HEAD_DIM=shape["head_dim"], PAGE_SIZE=shape["page_size"],
-                             HAS_TREE=tree, PRECISION="ieee" if dtype == "fp32" else "tf32"))
+                             HAS_TREE=tree, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
+                             PRECISION="ieee" if dtype == "fp32" else "tf32"))
             kv_tiles = smallest_inputs(lambda t: pa.kv_write_tile(t, width), rows)
             for block_t, block_w in list(kv_tiles)[:1] if dtype != "bf16" else kv_tiles:
                 add(pa._write_kv_kernel, [f"*{dtype}"] * 4 + [I64] + [I32] * 3,

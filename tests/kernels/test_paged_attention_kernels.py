@@ -139,16 +139,19 @@ def test_row_invariant_attention_matches_the_reference(name):
                                paged_attention_ref(*batch, scale, tree_mask=tree), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 2.5)], ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(dtype):
+def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(dtype, window, softcap):
     """Each query of a verify pass (a chain, or a tree path) gets exactly the result a decode
-    step at its position would, whatever else is in the batch."""
+    step at its position would, whatever else is in the batch (also with a sliding window and
+    soft-capping)."""
+    opts = dict(window=window, softcap=softcap)
     n_q, seq_lens = [4, 1, 7], [23, 9, 30]
     q, k_cache, v_cache, tables, cu, lens = make_batch(n_q, seq_lens, page_size=5, seed=2)
     q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
     tree = tree_masks(n_q)
     tree[0] = torch.tril(torch.ones(8, 8, dtype=torch.bool))  # request 0: a chain
-    out = paged_attention_rowwise(q, k_cache, v_cache, tables, cu, lens, 0.2, tree_mask=tree)
+    out = paged_attention_rowwise(q, k_cache, v_cache, tables, cu, lens, 0.2, tree_mask=tree, **opts)
     # Request 2's node 5 (path 0 -> 1 -> 3 -> 5) decoded alone: its path moved to contiguous
     # slots after the context, as acceptance would leave it.
     prefix, path = 30 - 7, [0, 1, 3, 5]
@@ -158,11 +161,12 @@ def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(d
     for depth, node in enumerate(path):
         k2[slots[prefix + depth]], v2[slots[prefix + depth]] = flat_k[slots[prefix + node]], flat_v[slots[prefix + node]]
     alone = paged_attention_rowwise(q[cu[2] + 5:cu[2] + 6], k2.view_as(k_cache), v2.view_as(v_cache),
-                                    tables[2:3], torch.tensor([0, 1]), torch.tensor([prefix + len(path)]), 0.2)
+                                    tables[2:3], torch.tensor([0, 1]), torch.tensor([prefix + len(path)]), 0.2,
+                                    **opts)
     assert torch.equal(alone[0], out[cu[2] + 5])
     # Request 0's query 2 decoded alone at its position.
     alone = paged_attention_rowwise(q[2:3], k_cache, v_cache, tables[:1], torch.tensor([0, 1]),
-                                    torch.tensor([23 - 4 + 3]), 0.2)
+                                    torch.tensor([23 - 4 + 3]), 0.2, **opts)
     assert torch.equal(alone[0], out[2])
 
 
@@ -180,3 +184,54 @@ def test_a_verify_pass_of_more_than_sixteen_rows_stays_row_invariant_in_bf16():
     prefill = paged_attention_ref(q[20:], k_cache, v_cache, tables[1:], torch.tensor([0, 20]),
                                   lens[1:], 0.2)
     assert torch.equal(prefill, out[20:])
+
+
+# ---- sliding windows and soft-capping (Mistral, Qwen2, Gemma 2/3) ----
+
+def tree_positions(n_q: list[int], seq_lens: list[int]) -> torch.Tensor:
+    """[T] positions along the sequence of tree_masks' nodes: prefix + depth - 1."""
+    depth = [1, 2, 2, 3, 3, 4, 4, 5]
+    return torch.tensor([s - n + depth[i] - 1 for n, s in zip(n_q, seq_lens) for i in range(n)])
+
+
+WINDOWED = [(1, 0.0), (6, 0.0), (9, 2.5), (0, 2.5), (100, 30.0)]
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_windowed_soft_capped_attention_kernel_and_row_invariant_path_match_the_reference(name, window, softcap):
+    batch = make_batch(*BATCHES[name], page_size=5, seed=5)
+    opts = dict(window=window, softcap=softcap)
+    ref = paged_attention_ref(*batch, 0.3, **opts)
+    torch.testing.assert_close(paged_attention(*batch, 0.3, impl="triton", **opts), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(paged_attention_rowwise(*batch, 0.3, **opts), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+def test_windowed_soft_capped_tree_attention_matches_the_reference(window, softcap):
+    n_q, seq_lens = [7, 1, 5, 0, 3], [30, 9, 5, 4, 13]
+    batch = make_batch(n_q, seq_lens, page_size=5, seed=6)
+    opts = dict(tree_mask=tree_masks(n_q), window=window, softcap=softcap,
+                positions=tree_positions(n_q, seq_lens))
+    ref = paged_attention_ref(*batch, 0.3, **opts)
+    torch.testing.assert_close(paged_attention(*batch, 0.3, impl="triton", **opts), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(paged_attention_rowwise(*batch, 0.3, **opts), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton", "rowwise"])
+def test_a_windowed_tree_query_sees_the_last_window_positions_of_its_path_soft_capped(impl):
+    """Query 6 (path 0 -> 2 -> 4 -> 6, depth 4) of a request with 12 context tokens sits at
+    position 15: with a window of 6 it sees context positions 10, 11 and its path, computed
+    by hand with soft-capping."""
+    n_q, seq_lens, page_size, window, cap = [7], [19], 4, 6, 1.5
+    q, k_cache, v_cache, tables, cu, lens = make_batch(n_q, seq_lens, page_size, seed=7)
+    opts = dict(tree_mask=tree_masks(n_q), window=window, softcap=cap, positions=tree_positions(n_q, seq_lens))
+    fn = paged_attention_rowwise if impl == "rowwise" else paged_attention
+    out = fn(q, k_cache, v_cache, tables, cu, lens, 0.3, **({} if impl == "rowwise" else {"impl": impl}), **opts)
+    seen = [10, 11] + [12 + 0, 12 + 2, 12 + 4, 12 + 6]
+    slots = [int(tables[0, t // page_size]) * page_size + t % page_size for t in seen]
+    keys = k_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots].repeat_interleave(3, dim=1)  # [S, Hq, D]
+    values = v_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots].repeat_interleave(3, dim=1)
+    scores = torch.einsum("hd,shd->hs", q[6], keys) * 0.3
+    weights = torch.softmax(torch.tanh(scores / cap) * cap, dim=1)
+    torch.testing.assert_close(out[6], torch.einsum("hs,shd->hd", weights, values), atol=2e-5, rtol=2e-5)

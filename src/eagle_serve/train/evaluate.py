@@ -47,7 +47,7 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
     greedy answers to `prompts` (answers and features cached in `work`); a target token outside
     the draft vocabulary counts as a miss."""
     from eagle_serve.checkpoints import load_head
-    from eagle_serve.llama import TargetModel
+    from eagle_serve.target import TargetModel
     from eagle_serve.train import trainer as T
     from eagle_serve.train.corpus import generate_corpus, read_corpus
 

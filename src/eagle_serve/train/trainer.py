@@ -26,14 +26,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eagle_serve.checkpoints import random_head, save_head
-from eagle_serve.drafter import EagleHead
+from eagle_serve.checkpoints import save_head
+from eagle_serve.heads import EagleHead, eagle3_feature_layers, random_head
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.llama import TargetModel, eagle3_feature_layers
+from eagle_serve.target import TargetModel, load_target_config
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...
     cache.mkdir(parents=True, exist_ok=True)
     total = sum(len(s) for s, _ in seqs)
     meta = cache / "features.json"
-    tconf = LlamaConfig.from_pretrained(str(target_dir))
+    tconf = load_target_config(target_dir)
     layers = tuple(layers or eagle3_feature_layers(tconf.num_hidden_layers))
     width = 3 * tconf.hidden_size
     path, lpath = cache / "features.f16", cache / "labels.i32"
@@ -245,7 +244,7 @@ class Trainer:
         self.cfg, self.work, self.target_dir = cfg, Path(work), Path(target_dir)
         self.seqs = sequences(rows)
         self.offsets = np.cumsum([0] + [len(s) for s, _ in self.seqs])
-        tconf = LlamaConfig.from_pretrained(str(target_dir))
+        tconf = load_target_config(target_dir)
         d2t, self.coverage = draft_vocab(rows, cfg.draft_vocab_size, tconf.vocab_size)
         self.t2d = target_to_draft(d2t, tconf.vocab_size)
         self.features, self.labels = compute_features(self.seqs, target_dir, self.work / "features",
@@ -260,7 +259,7 @@ class Trainer:
             h = tconf.hidden_size
             self.head.fc.weight.zero_()
             self.head.fc.weight[:, 2 * h:].copy_(torch.eye(h))
-            self.head.norm.weight.copy_(target.hf.model.norm.weight)
+            self.head.norm.weight.copy_(target.final_norm_scale())
         del target
         self.opt = torch.optim.AdamW([p for n, p in self.head.named_parameters() if n != "d2t"],
                                      lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -328,7 +327,8 @@ class Trainer:
         ckpt = self.work / "checkpoint.pt"
         if ckpt.exists():
             state = torch.load(ckpt, weights_only=False)
-            self.head.load_state_dict(state["head"])
+            # the first layer may be saved under its published EAGLE-3 name, `midlayer`
+            self.head.load_state_dict({k.replace("midlayer.", "layers.0.", 1): v for k, v in state["head"].items()})
             # a resumed run keeps the checkpoint's draft vocabulary, even if the corpus grew since
             self.t2d = target_to_draft(self.head.d2t.to(torch.int64), self.t2d.shape[0])
             self.opt.load_state_dict(state["opt"])

@@ -1,0 +1,52 @@
+"""Through the real tritonserver: a repository copy pointed at a model that is not a Llama (a
+tiny random Qwen3) behind a head in the vLLM speculators format serves, in float32, the same
+greedy output with and without drafts, and HF's."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle_serve.client import grpc_generate
+from eagle_serve.heads import random_head
+from eagle_serve.target import load_target_config
+from eagle_serve.testing import make_tiny_target, write_head_layout
+from eagle_serve.tokenization import encode_prompt
+from server import CHAINS
+
+pytestmark = pytest.mark.server
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(triton_server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    target = make_tiny_target(root / "tiny-qwen3", "qwen3", dtype=torch.float32)
+    head = random_head(load_target_config(target), 3, 8192, d2t=torch.arange(8192), num_layers=2,
+                       qk_norm=True, norm_before_residual=True)
+    head_dir = write_head_layout(head, root / "speculator.eagle3", "speculators", target)
+    server = triton_server("tiny-qwen3-speculators", overrides={"spec_decode": {
+        "target_model": str(target), "drafter_model": str(head_dir), "dtype": "float32",
+        "num_speculative_tokens": "3", "page_size": "8", "num_target_pages": "256",
+        "num_drafter_pages": "256", **CHAINS}})
+    return server, target
+
+
+def test_a_qwen3_target_with_a_speculators_head_serves_hf_greedy_output_with_and_without_drafts(qwen3_server):
+    server, target = qwen3_server
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        ids = torch.tensor([encode_prompt(tokenizer, prompt)])
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                               max_new_tokens=20, min_new_tokens=20)[0, ids.shape[1]:].tolist()
+        outputs = {}
+        for k, shape in ((0, {}), (3, {}), (6, dict(draft_topk=2, draft_depth=3))):
+            got = grpc_generate(server.grpc_url, prompt, max_tokens=20, stream=True, ignore_eos=True,
+                                num_speculative_tokens=k, **shape)
+            assert got.error is None
+            if k:
+                assert got.counters["num_draft_tokens"] > 0
+            outputs[k] = got.output_ids
+        assert outputs[0] == outputs[3] == outputs[6] == expected
