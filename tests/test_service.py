@@ -9,7 +9,7 @@ import pytest
 
 import fake_pb
 from eagle_serve.interfaces import ModelTimeout
-from eagle_serve.local import build_local_engine
+from eagle_serve.testing import tiny_engine
 from eagle_serve.service import SpecDecodeService
 
 POISON = 13  # a token id the failing model wrappers refuse
@@ -48,9 +48,8 @@ class FailingModel:
 
 
 def make_service(pb, tiny_models, **overrides):
-    overrides = {"eos_token_ids": (), "num_speculative_tokens": 2, **overrides}
-    engine = build_local_engine(tiny_models["target"], tiny_models["eagle3"], dtype="float64",
-                                **overrides)
+    engine = tiny_engine(tiny_models["target"], tiny_models["eagle3"],
+                         **{"num_speculative_tokens": 2, **overrides})
     engine.target = FailingModel(engine.target, "forward")
     engine.drafter = FailingModel(engine.drafter, "propose")
     broken: list[str] = []

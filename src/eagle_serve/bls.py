@@ -21,13 +21,15 @@ import numpy as np
 import torch
 
 from eagle_serve import internal_key
-from eagle_serve.interfaces import (DraftOutput, KVLost, ModelTimeout, RaggedBatch, RowSampling,
-                                    TargetOutput)
+from eagle_serve.interfaces import (DraftOutput, DraftShapes, KVLost, ModelTimeout, RaggedBatch,
+                                    RowSampling, TargetOutput)
 
 BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "block_tables", "slot_mapping")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
-# Optional inputs, sent only when present (a batch with a draft tree; KV moves; tree shapes):
-# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64; draft_topk / draft_depth [B].
+SHAPE_INPUTS = {"num_drafts": "num_drafts", "draft_topk": "topk", "draft_depth": "depth",
+                "draft_min_prob": "min_prob", "draft_expand_prob": "expand_prob"}  # input -> field
+# Optional inputs, sent only when present (a batch with a draft tree; KV moves):
+# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64.
 
 
 def to_pb(pb, name: str, tensor: torch.Tensor):
@@ -62,6 +64,11 @@ def batch_from_request(pb, request, device) -> tuple[RaggedBatch, RowSampling]:
     batch = RaggedBatch(*(read(f) for f in BATCH_FIELDS),
                         tree_mask=None if tree is None else tree.to(device).bool())
     return batch, RowSampling(*(read(f) for f in SAMPLING_FIELDS))
+
+
+def shapes_from_request(pb, request, device) -> DraftShapes:
+    return DraftShapes(**{field: input_tensor(pb, request, name).to(device)
+                          for name, field in SHAPE_INPUTS.items()})
 
 
 def optional_pair(pb, request, names: tuple[str, str], device) -> tuple | None:
@@ -136,18 +143,15 @@ class BlsDrafter(_BlsModel):
         super().__init__(pb, model_name, device, key, timeout_s)
         self.vocab_size = vocab_size
 
-    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling, topk: torch.Tensor | None = None,
-                depth: torch.Tensor | None = None) -> DraftOutput:
-        wants_probs = bool((sampling.sampled & (num_drafts > 0)).any())
-        trees = topk is not None and bool((topk > 1).any())
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
+                sampling: RowSampling) -> DraftOutput:
+        wants_probs = bool((sampling.sampled & (shapes.num_drafts > 0)).any())
+        trees = bool((shapes.topk > 1).any())
         outputs = ["tokens"] + (["probs"] if wants_probs else []) + (["parents"] if trees else [])
-        inputs = batch_tensors(self.pb, batch, sampling) + [
-            to_pb(self.pb, "features", features), to_pb(self.pb, "num_drafts", num_drafts)]
-        if trees:
-            inputs += [to_pb(self.pb, "draft_topk", topk), to_pb(self.pb, "draft_depth", depth)]
+        inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "features", features)]
+        inputs += [to_pb(self.pb, name, getattr(shapes, field)) for name, field in SHAPE_INPUTS.items()]
         r = self.call(inputs, outputs)
-        no_drafts = torch.zeros((num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)
+        no_drafts = torch.zeros((shapes.num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)
         probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))
         return DraftOutput(tokens=r.get("tokens", no_drafts), probs=probs, parents=r.get("parents"))
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import use_cpu_linears
-from eagle_serve.drafter import DraftPruning, Drafter, DrafterSpec, EagleHead
+from eagle_serve.drafter import Drafter, DrafterSpec, EagleHead
 from eagle_serve.llama import eagle3_feature_layers
 
 
@@ -113,8 +113,7 @@ def load_head(folder: str | Path, target_dir: str | Path, dtype=torch.float32,
 
 
 def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.float32, device="cpu",
-                 num_pages: int = 256, page_size: int = 16,
-                 pruning: DraftPruning = DraftPruning()) -> Drafter:
+                 num_pages: int = 256, page_size: int = 16) -> Drafter:
     head = load_head(folder, target_dir, dtype, device)
     if torch.device(device).type == "cpu":
         use_cpu_linears(head)
@@ -127,7 +126,7 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
         lm_head = read_target_tensor(target_dir, ["lm_head.weight"])
         lm_head = embed if lm_head is None else lm_head  # tied embeddings
     return Drafter(head, embed.to(device), None if lm_head is None else lm_head.to(device),
-                   num_pages=num_pages, page_size=page_size, pruning=pruning)
+                   num_pages=num_pages, page_size=page_size)
 
 
 def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",

@@ -23,7 +23,8 @@ from typing import Callable
 import numpy as np
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.engine import Engine, EngineBusy, RequestOutput, SamplingParams
+from eagle_serve.engine import Engine, EngineBusy
+from eagle_serve.requests import RequestOutput, SamplingParams
 from eagle_serve.interfaces import ModelTimeout
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.tokenization import decode, decode_delta, detok_window, encode_prompt

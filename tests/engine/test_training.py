@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from eagle_serve.checkpoints import load_drafter, random_head
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.llama import TargetModel
 from eagle_serve.local import build_local_engine
