@@ -84,7 +84,9 @@ def test_a_dead_model_process_fails_requests_fast_and_the_server_comes_back(supe
     recovered = wait_until(lambda: http_generate(supervised.http, "Hi", max_tokens=4, timeout_s=10).error is None, 180)
     recovery_s = time.monotonic() - killed_at
     assert recovered, supervised.log_path.read_text()[-3000:]
-    assert f"model process(es) ['{model}'] died; restarting tritonserver" in supervised.log_path.read_text()
+    log = supervised.log_path.read_text()  # spec_decode stops the server, or the supervisor sees it
+    assert (f"model process(es) ['{model}'] died; restarting tritonserver" in log
+            or "stopping tritonserver" in log and "tritonserver exited with code" in log), log[-3000:]
     print(f"recovered {recovery_s:.1f} s after {model} was killed")
 
 

@@ -32,16 +32,27 @@ def test_the_default_settings_parse_and_name_every_field():
     assert settings.target_model == "default" and settings.num_speculative_tokens >= 0
 
 
+def test_the_shipped_cpu_config_states_exactly_the_settings_defaults():
+    """One source of defaults: the dataclass; config.pbtxt shows them to users and may not drift."""
+    assert read_settings(REPO) == ServingSettings()
+
+
+def test_the_in_process_engine_runs_the_served_engine_config():
+    from eagle_serve.settings import EngineConfig
+    served = EngineConfig.from_settings(read_settings(REPO))
+    assert EngineConfig.served() == served
+    assert served.num_speculative_tokens == ServingSettings().num_speculative_tokens
+
+
 def test_settings_parse_numbers_and_refuse_bad_ones_by_name():
     import pytest
     s = ServingSettings.from_parameters({"draft_min_prob": "0.05", "draft_expand_prob": "0.5",
                                          "max_running": "3"})
     assert (s.draft_min_prob, s.draft_expand_prob, s.max_running) == (0.05, 0.5, 3)
-    assert s.draft_pruning().log_limits()[0] < s.draft_pruning().log_limits()[1] < 0
     with pytest.raises(ValueError, match="draft_min_prob"):
         ServingSettings.from_parameters({"draft_min_prob": "often"})
     with pytest.raises(ValueError, match="draft_expand_prob must be in"):
-        ServingSettings.from_parameters({"draft_expand_prob": "1.5"}).draft_pruning()
+        ServingSettings.from_parameters({"draft_expand_prob": "1.5"})
 
 
 def test_single_instance_models_ask_for_one_instance():

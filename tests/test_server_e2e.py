@@ -12,7 +12,7 @@ import time
 import pytest
 
 from eagle_serve.client import grpc_generate, http_generate, http_generate_stream, metrics
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.tokenization import encode_prompt
 from server import tiny_server  # the tiny_models fixture lives in conftest.py

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import fake_pb
-from eagle_serve.interfaces import ModelTimeout
-from eagle_serve.local import build_local_engine
+from eagle_serve.interfaces import ModelUnavailable
+from eagle_serve.testing import tiny_engine
 from eagle_serve.service import SpecDecodeService
 
 POISON = 13  # a token id the failing model wrappers refuse
@@ -22,7 +22,7 @@ def pb(monkeypatch):
 
 class FailingModel:
     """Wraps a target or drafter: a call whose batch holds POISON raises, as does every call
-    once `stuck` (raising ModelTimeout, as the BLS runner does); `delay_s` slows every call."""
+    once `stuck` (raising ModelUnavailable, as the BLS runner does); `delay_s` slows every call."""
 
     def __init__(self, model, method: str):
         self.model, self.method = model, method
@@ -35,7 +35,7 @@ class FailingModel:
         self.calls += 1
         time.sleep(self.delay_s)
         if self.stuck:
-            raise ModelTimeout("the model did not answer within 1 s")
+            raise ModelUnavailable("the model did not answer within 1 s")
         if bool((batch.input_ids == POISON).any()):
             raise RuntimeError("boom: a secret internal detail")
         return getattr(self.model, self.method)(batch, *args, **kwargs)
@@ -48,9 +48,8 @@ class FailingModel:
 
 
 def make_service(pb, tiny_models, **overrides):
-    overrides = {"eos_token_ids": (), "num_speculative_tokens": 2, **overrides}
-    engine = build_local_engine(tiny_models["target"], tiny_models["eagle3"], dtype="float64",
-                                **overrides)
+    engine = tiny_engine(tiny_models["target"], tiny_models["eagle3"],
+                         **{"num_speculative_tokens": 2, **overrides})
     engine.target = FailingModel(engine.target, "forward")
     engine.drafter = FailingModel(engine.drafter, "propose")
     broken: list[str] = []

@@ -9,7 +9,7 @@ import argparse
 import time
 
 from eagle_serve import paths
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.tokenization import encode_prompt
 
@@ -37,11 +37,13 @@ def main(argv=None) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--target", default="default", help="HF folder (default: SmolLM2-135M-Instruct)")
     g.add_argument("--drafter", default="default-drafter", help="EAGLE head folder, or none")
-    g.add_argument("--k", type=int, nargs="+", default=[0, 4], help="speculative tokens per run")
+    g.add_argument("--k", type=int, nargs="+", default=[0, 8],
+                   help="speculative tokens per run (the served draft-tree shape applies)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="float32")
+    g.add_argument("--dtype", default="auto", help="auto = as the server (bfloat16 on CPUs with "
+                   "native bf16, else float32), or float32|float64|bfloat16|float16")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     args = parser.parse_args(argv)
     generate(args)

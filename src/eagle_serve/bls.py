@@ -7,8 +7,10 @@ on KIND_GPU instances). Each model reports an epoch (random per process start): 
 epoch means the model's KV tensors are gone, and the engine recomputes (`KVLost`).
 
 Every call carries the server's internal key (`eagle_serve.internal_key`): the workers answer
-nobody else. A call that does not return within `timeout_s` raises `ModelTimeout` (the model
-process is stuck: the engine cannot go on); an error response raises `ModelCallError`.
+nobody else. A call that does not return within `timeout_s`, or that Triton answers with its
+"not healthy" error (the model process died), raises `ModelUnavailable`: the engine cannot go
+on. Any other error response raises `ModelCallError` (the engine retries the batch's requests
+one at a time).
 
 Only `triton_python_backend_utils` (passed in as `pb`) ties this to Triton.
 """
@@ -21,13 +23,15 @@ import numpy as np
 import torch
 
 from eagle_serve import internal_key
-from eagle_serve.interfaces import (DraftOutput, KVLost, ModelTimeout, RaggedBatch, RowSampling,
-                                    TargetOutput)
+from eagle_serve.interfaces import (DraftOutput, DraftShapes, KVLost, ModelUnavailable, RaggedBatch,
+                                    RowSampling, TargetOutput)
 
 BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "block_tables", "slot_mapping")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
-# Optional inputs, sent only when present (a batch with a draft tree; KV moves; tree shapes):
-# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64; draft_topk / draft_depth [B].
+SHAPE_INPUTS = {"num_drafts": "num_drafts", "draft_topk": "topk", "draft_depth": "depth",
+                "draft_min_prob": "min_prob", "draft_expand_prob": "expand_prob"}  # input -> field
+# Optional inputs, sent only when present (a batch with a draft tree; KV moves):
+# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64.
 
 
 def to_pb(pb, name: str, tensor: torch.Tensor):
@@ -64,6 +68,11 @@ def batch_from_request(pb, request, device) -> tuple[RaggedBatch, RowSampling]:
     return batch, RowSampling(*(read(f) for f in SAMPLING_FIELDS))
 
 
+def shapes_from_request(pb, request, device) -> DraftShapes:
+    return DraftShapes(**{field: input_tensor(pb, request, name).to(device)
+                          for name, field in SHAPE_INPUTS.items()})
+
+
 def optional_pair(pb, request, names: tuple[str, str], device) -> tuple | None:
     """Two optional inputs sent together -> (a, b) on `device`, or None when absent."""
     a, b = (input_tensor(pb, request, n, optional=True) for n in names)
@@ -91,7 +100,10 @@ class _BlsModel:
                                       requested_output_names=outputs + ["epoch"], **kwargs)
         response = self._exec(request)
         if response.has_error():
-            raise ModelCallError(f"{self.model_name}: {response.error().message()}")
+            message = f"{self.model_name}: {response.error().message()}"
+            if "is not healthy" in message:  # Triton's word for a dead model process
+                raise ModelUnavailable(message)
+            raise ModelCallError(message)
         result = {name: output_tensor(pb, response, name) for name in outputs + ["epoch"]}
         epoch = int(result.pop("epoch")[0])
         if self.epoch is not None and epoch != self.epoch:
@@ -107,7 +119,7 @@ class _BlsModel:
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise ModelTimeout(f"{self.model_name} did not answer within {self.timeout_s:g} s "
+            raise ModelUnavailable(f"{self.model_name} did not answer within {self.timeout_s:g} s "
                                f"(model_call_timeout_s)") from None
 
 
@@ -136,18 +148,15 @@ class BlsDrafter(_BlsModel):
         super().__init__(pb, model_name, device, key, timeout_s)
         self.vocab_size = vocab_size
 
-    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling, topk: torch.Tensor | None = None,
-                depth: torch.Tensor | None = None) -> DraftOutput:
-        wants_probs = bool((sampling.sampled & (num_drafts > 0)).any())
-        trees = topk is not None and bool((topk > 1).any())
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
+                sampling: RowSampling) -> DraftOutput:
+        wants_probs = bool((sampling.sampled & (shapes.num_drafts > 0)).any())
+        trees = bool((shapes.topk > 1).any())
         outputs = ["tokens"] + (["probs"] if wants_probs else []) + (["parents"] if trees else [])
-        inputs = batch_tensors(self.pb, batch, sampling) + [
-            to_pb(self.pb, "features", features), to_pb(self.pb, "num_drafts", num_drafts)]
-        if trees:
-            inputs += [to_pb(self.pb, "draft_topk", topk), to_pb(self.pb, "draft_depth", depth)]
+        inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "features", features)]
+        inputs += [to_pb(self.pb, name, getattr(shapes, field)) for name, field in SHAPE_INPUTS.items()]
         r = self.call(inputs, outputs)
-        no_drafts = torch.zeros((num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)
+        no_drafts = torch.zeros((shapes.num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)
         probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))
         return DraftOutput(tokens=r.get("tokens", no_drafts), probs=probs, parents=r.get("parents"))
 

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import use_cpu_linears
-from eagle_serve.drafter import DraftPruning, Drafter
+from eagle_serve.drafter import Drafter
 from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec, random_head
 from eagle_serve.target import load_target_config
 
@@ -185,8 +185,7 @@ def _build(ckpt: HeadCheckpoint, folder, dtype, device) -> EagleHead:
 
 
 def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.float32, device="cpu",
-                 num_pages: int = 256, page_size: int = 16,
-                 pruning: DraftPruning = DraftPruning()) -> Drafter:
+                 num_pages: int = 256, page_size: int = 16) -> Drafter:
     target_dir = Path(target_dir)
     ckpt = read_head(folder, load_target_config(target_dir))
     head = _build(ckpt, folder, dtype, device)
@@ -203,7 +202,7 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
         if lm_head is None:  # tied embeddings
             lm_head = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])
     return Drafter(head, embed.to(device), None if lm_head is None else lm_head.to(device),
-                   num_pages=num_pages, page_size=page_size, pruning=pruning)
+                   num_pages=num_pages, page_size=page_size)
 
 
 def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",

@@ -10,8 +10,9 @@ Drafts are sampled here: greedy requests take the argmax, sampled ones draw from
 temperature/top-k/top-p) with a key (seed, position, DRAFT), and q goes back to the engine
 for lossless verification.
 
-Greedy drafts are pruned by confidence (`DraftPruning`): a draft whose cumulative draft
-probability is below `min_prob` is not proposed (it would cost a verify row and rarely be
+What each request drafts comes with the call (`DraftShapes`, decided by the engine's draft
+policy): a chain or a tree, and confidence limits on greedy drafts: a draft whose cumulative
+draft probability is below `min_prob` is not proposed (it would cost a verify row and rarely be
 accepted), and a chain or tree drafts one level deeper only while one of its drafts reaches
 `expand_prob` (a drafter step pays only when the next token is likely). The first draft is
 always proposed; verification does not change, so the output does not either.
@@ -26,39 +27,25 @@ import torch
 from torch import nn
 
 from eagle_serve.heads import EagleHead
-from eagle_serve.interfaces import DraftOutput, RaggedBatch, RowSampling, ancestor_mask
+from eagle_serve.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling, ancestor_mask
 from eagle_serve.paged import PagedKVCache
 from kernels.sampling import DRAFT, compute_probs, sample
 
 
-@dataclass(frozen=True)
-class DraftPruning:
-    """Confidence limits on greedy drafts (0 = off); probabilities are the drafter's own,
-    cumulative along a draft path."""
-    min_prob: float = 0.0     # propose a draft only if its path probability is >= this
-    expand_prob: float = 0.0  # draft a deeper level only while some draft of the level is >= this
-
-    def __post_init__(self):
-        for name in ("min_prob", "expand_prob"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"draft_{name} must be in [0, 1], got {value}")
-
-    def log_limits(self) -> tuple[float, float]:
-        log = lambda p: math.log(p) if p > 0 else -math.inf  # noqa: E731
-        return log(self.min_prob), log(self.expand_prob)
+def log_limit(prob: torch.Tensor) -> torch.Tensor:
+    """[B] probability limits -> float64 log limits, -inf where 0 (off)."""
+    prob = prob.double()
+    return torch.where(prob > 0, prob.clamp(min=1e-300).log(), -math.inf)
 
 
 class Drafter:
     """In-process drafter runner (implements `DrafterRunner`)."""
 
     def __init__(self, head: EagleHead, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None,
-                 *, num_pages: int = 256, page_size: int = 16,
-                 pruning: DraftPruning = DraftPruning()):
+                 *, num_pages: int = 256, page_size: int = 16):
         """embed_tokens: [V, H] (the target's, or the head's own); lm_head: [V, H] the target's
         (heads that read logits through it: EAGLE-1, EAGLE-3 without an LM head)."""
         self.head = head.eval()
-        self.pruning = pruning
         p = next(head.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.embed_tokens = embed_tokens.to(self.dtype)
@@ -85,24 +72,23 @@ class Drafter:
         return self.head.to_target_probs(q, self.vocab_size)
 
     @torch.inference_mode()
-    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling, topk: torch.Tensor | None = None,
-                depth: torch.Tensor | None = None) -> DraftOutput:
-        """Catch up on the batch's rows, then draft num_drafts[b] nodes for each request: a
-        chain, or (topk[b] > 1, greedy) an EAGLE-2 tree of depth[b] levels.
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
+                sampling: RowSampling) -> DraftOutput:
+        """Catch up on the batch's rows, then draft shapes.num_drafts[b] nodes for each request:
+        a chain, or (topk[b] > 1, greedy) an EAGLE-2 tree of depth[b] levels.
 
         batch: rows (f_p, x_{p+1}) at drafter positions p; block tables must also cover the
         positions the draft steps write (chains: seq_len .. seq_len + k - 2; trees: seq_len ..
-        seq_len + topk * (depth - 1) - 1). features: [T, F]; num_drafts, topk, depth: [B] int64
-        -> DraftOutput
+        seq_len + topk * (depth - 1) - 1). features: [T, F] -> DraftOutput
         """
         emb = nn.functional.embedding(batch.input_ids, self.embed_tokens)
         out = self.head.step(emb, features.to(self.dtype), True, batch, self.cache)
         last = out[batch.cu_seqlens[1:] - 1]  # [B, H]
-        is_tree = torch.zeros_like(num_drafts, dtype=torch.bool)  # [B]; sampled rows: chains
-        if topk is not None:
-            is_tree = (topk > 1) & ~sampling.sampled
-        tokens, probs = self._draft_chains(batch, last, torch.where(is_tree, 0, num_drafts), sampling)
+        num_drafts, topk, depth = shapes.num_drafts, shapes.topk, shapes.depth
+        limits = log_limit(shapes.min_prob), log_limit(shapes.expand_prob)  # [B] each
+        is_tree = (topk > 1) & ~sampling.sampled  # [B]; sampled rows: chains
+        tokens, probs = self._draft_chains(batch, last, torch.where(is_tree, 0, num_drafts),
+                                           sampling, *limits)
         ks = num_drafts.tolist()
         width = max(ks, default=0)
         cols = torch.arange(width, device=self.device)
@@ -112,7 +98,8 @@ class Drafter:
         tree_rows = is_tree.nonzero().squeeze(1).tolist()
         if tree_rows:
             scores = torch.zeros((len(ks), width), dtype=torch.float64, device=self.device)
-            trees = self._draft_trees(batch, last, tree_rows, ks, topk.tolist(), depth.tolist())
+            trees = self._draft_trees(batch, last, tree_rows, ks, topk.tolist(), depth.tolist(),
+                                      [(limits[0][b].item(), limits[1][b].item()) for b in tree_rows])
             for b, tree in zip(tree_rows, trees):
                 n = len(tree.tokens)
                 tokens[b], parents[b] = -1, -1
@@ -122,17 +109,19 @@ class Drafter:
         return DraftOutput(tokens=tokens, probs=probs, parents=parents, scores=scores)
 
     def _draft_chains(self, batch: RaggedBatch, last: torch.Tensor, num_drafts: torch.Tensor,
-                      sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
+                      sampling: RowSampling, min_logp: torch.Tensor,
+                      expand_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k_b drafts per request, each fed back with the drafter's own feature.
-        last: [B, H] catch-up outputs -> tokens [B, max_k] (-1 padded), q [N_sampled, V]"""
+        last: [B, H] catch-up outputs; min_logp, expand_logp: [B] log limits of greedy rows
+        -> tokens [B, max_k] (-1 padded), q [N_sampled, V]"""
         ks = num_drafts.tolist()
         num_req, max_k = len(ks), max(ks, default=0)
         tokens = torch.full((num_req, max_k), -1, dtype=torch.int64, device=self.device)
         probs = [[] for _ in range(num_req)]
         active = torch.arange(num_req, device=self.device)
         seq_lens = batch.seq_lens
-        min_logp, expand_logp = self.pruning.log_limits()
-        prune = min_logp > -math.inf or expand_logp > -math.inf
+        prune = bool(((min_logp > -math.inf) | (expand_logp > -math.inf)).any())
+        stop_logp = torch.maximum(min_logp, expand_logp)  # [B]
         path_logp = torch.zeros(num_req, dtype=torch.float64, device=self.device)  # [B]
         going = torch.ones(num_req, dtype=torch.bool, device=self.device)  # [B]
         for j in range(max_k):
@@ -152,8 +141,8 @@ class Drafter:
                 rows = ~sampling.sampled[active]
                 path_logp[greedy] += torch.log_softmax(logits[rows].double(), -1).amax(-1)
                 if j > 0:
-                    tokens[greedy[path_logp[greedy] < min_logp], j] = -1
-                going[greedy[path_logp[greedy] < max(min_logp, expand_logp)]] = False
+                    tokens[greedy[path_logp[greedy] < min_logp[greedy]], j] = -1
+                going[greedy[path_logp[greedy] < stop_logp[greedy]]] = False
             for row, b in enumerate(active.tolist()):
                 if q is not None and sampling.temperature[b] > 0:
                     probs[b].append(q[row])
@@ -162,18 +151,19 @@ class Drafter:
         return tokens, q_all.float()
 
     def _draft_trees(self, batch: RaggedBatch, last: torch.Tensor, rows: list[int],
-                     num_nodes: list[int], topk: list[int], depth: list[int]) -> list["_Tree"]:
+                     num_nodes: list[int], topk: list[int], depth: list[int],
+                     limits: list[tuple[float, float]]) -> list["_Tree"]:
         """EAGLE-2 dynamic trees (greedy requests): the root's top-k children are the depth-1
         candidates; each further level expands the top-k candidates of the previous depth by
         cumulative log-probability, in one drafter forward for every tree of the batch; then
-        the best num_nodes candidates are kept. last: [B, H] catch-up outputs."""
-        min_logp, expand_logp = self.pruning.log_limits()
-        trees = [_Tree(int(batch.seq_lens[b]), topk[b], depth[b], num_nodes[b], min_logp)
-                 for b in rows]
+        the best num_nodes candidates are kept. last: [B, H] catch-up outputs; limits: (min,
+        expand) log limits per tree."""
+        trees = [_Tree(int(batch.seq_lens[b]), topk[b], depth[b], num_nodes[b], lim[0])
+                 for b, lim in zip(rows, limits)]
         self._add_children(trees, [-1] * len(trees), last[rows])
         for level in range(1, max(t.depth for t in trees)):
             active = [i for i, t in enumerate(trees)
-                      if t.depth > level and t.best_score(level) >= max(min_logp, expand_logp)]
+                      if t.depth > level and t.best_score(level) >= max(limits[i])]
             if not active:
                 break
             new_rows = [trees[i].expand(level, last[rows[i]]) for i in active]

@@ -34,10 +34,10 @@ if not ON_GPU:  # before anything imports triton: its kernels then run on CPU te
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from eagle_serve import paths  # noqa: E402
-from eagle_serve.engine import SamplingParams  # noqa: E402
-from eagle_serve.local import build_local_engine, eos_token_ids  # noqa: E402
-from eagle_serve.settings import ServingSettings  # noqa: E402
-from eagle_serve.tokenization import encode_prompt, load_tokenizer  # noqa: E402
+from eagle_serve.local import build_local_engine  # noqa: E402
+from eagle_serve.requests import SamplingParams  # noqa: E402
+from eagle_serve.settings import EngineConfig, ServingSettings  # noqa: E402
+from eagle_serve.tokenization import encode_prompt, eos_token_ids, load_tokenizer  # noqa: E402
 from kernels import paged_attention as pa, prepare_inputs as pi, rejection as rj  # noqa: E402
 from kernels import sampling as sm, warmup, workspace as ws  # noqa: E402
 
@@ -203,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     drafter = None if args.drafter == "none" else args.drafter
     engine = build_local_engine(args.target, drafter, dtype=dtype, device=device,
-                                config=settings.engine_config(eos_token_ids(args.target)),
-                                pruning=settings.draft_pruning())
+                                config=EngineConfig.from_settings(settings, eos_token_ids(args.target)))
     print("1. kernel warm-up:", end=" ", flush=True)
     reports = [warmup.warm_target(engine.target), warmup.warm_engine(engine)]
     if engine.drafter is not None:

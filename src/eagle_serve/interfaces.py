@@ -17,8 +17,9 @@ class KVLost(RuntimeError):
     """A model process lost its KV cache (it restarted); every running request recomputes."""
 
 
-class ModelTimeout(RuntimeError):
-    """A model call did not return in time: the model process is stuck, the engine is broken."""
+class ModelUnavailable(RuntimeError):
+    """A model process is stuck (a call did not return in time) or dead: the engine cannot go
+    on until the server restarts."""
 
 
 @dataclass
@@ -39,14 +40,6 @@ class RaggedBatch:
     slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset
     tree_mask: torch.Tensor | None = None  # [B, Qt, Qt] bool, Qt >= every n_b; None = causal
 
-    @property
-    def num_requests(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def to(self, device) -> "RaggedBatch":
-        return RaggedBatch(*(None if getattr(self, f) is None else getattr(self, f).to(device)
-                             for f in self.__dataclass_fields__))
-
 
 @dataclass
 class RowSampling:
@@ -63,6 +56,23 @@ class RowSampling:
     def select(self, rows: torch.Tensor) -> "RowSampling":
         return RowSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows],
                            self.seeds[rows])
+
+
+@dataclass
+class DraftShapes:
+    """What each request of a drafter call drafts (the draft policy's decision), per row [B]."""
+    num_drafts: torch.Tensor   # int64: nodes to propose (a chain: its length)
+    topk: torch.Tensor         # int64: children per tree node; 1 = a chain (sampled rows: chains)
+    depth: torch.Tensor        # int64: tree levels
+    min_prob: torch.Tensor     # float32: greedy drafts below this path probability are dropped
+    #                            (the first is always kept); 0 = off
+    expand_prob: torch.Tensor  # float32: draft a deeper level only while a draft of the level
+    #                            reaches this; 0 = off
+
+    @classmethod
+    def chains(cls, num_drafts: torch.Tensor) -> "DraftShapes":
+        zeros = torch.zeros_like(num_drafts, dtype=torch.float32)
+        return cls(num_drafts, torch.ones_like(num_drafts), num_drafts.clone(), zeros, zeros.clone())
 
 
 @dataclass
@@ -83,11 +93,6 @@ class DraftOutput:
     #                       None = every row is a chain
     scores: torch.Tensor | None = None   # [B, max_k] cumulative draft log-probability of tree
     #                       nodes (in-process only; tests and diagnostics)
-
-
-def chain_parents(num_rows: int, width: int, device=None) -> torch.Tensor:
-    """[num_rows, width] parents of chains: -1, 0, 1, ..."""
-    return (torch.arange(width, device=device) - 1).expand(num_rows, width).clone()
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -119,9 +124,8 @@ class TargetRunner(Protocol):
 
 
 class DrafterRunner(Protocol):
-    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling, topk: torch.Tensor | None = None,
-                depth: torch.Tensor | None = None) -> DraftOutput:
-        """num_drafts: [B] nodes per request; topk, depth: [B] (None = chains); a row with
-        topk > 1 drafts an EAGLE-2 dynamic tree of num_drafts nodes."""
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
+                sampling: RowSampling) -> DraftOutput:
+        """Catch up on the batch's rows (features [T, F]) and draft for each request as its row
+        of `shapes` says: a chain, or (greedy, topk > 1) an EAGLE-2 dynamic tree."""
         ...

@@ -6,8 +6,8 @@ sends each request's new tokens (stream) or its whole output (non-stream) with r
 polls client cancellation every round, and keeps the Prometheus metrics current; a second one
 makes each round's drafter call meanwhile. Every request gets FINAL exactly once (`_Stream`): on
 finish, bad input, cancellation, a failed model call, a timeout or shutdown. A model call that
-times out means a stuck model process: every open request fails and `on_broken` stops the
-server so that its supervisor restarts it.
+times out or finds its model process dead (`ModelUnavailable`) breaks the engine: every open
+request fails and `on_broken` stops the server so that its supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from typing import Callable
 import numpy as np
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.engine import Engine, EngineBusy, RequestOutput, SamplingParams
-from eagle_serve.interfaces import ModelTimeout
+from eagle_serve.engine import Engine, EngineBusy
+from eagle_serve.requests import RequestOutput, SamplingParams
+from eagle_serve.interfaces import ModelUnavailable
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.tokenization import decode, decode_delta, detok_window, encode_prompt
 
@@ -111,8 +112,8 @@ class SpecDecodeService:
     def __init__(self, pb, engine: Engine, metrics: EngineMetrics | None = None,
                  max_input_bytes: int = 65536, draft_timeout_s: float = 0.0,
                  on_broken: Callable[[str], None] | None = None):
-        """on_broken(reason): called once when a model call timed out (the model process is
-        stuck); spec_decode's model.py stops the server there, so its supervisor restarts it."""
+        """on_broken(reason): called once when a model process is stuck or dead; spec_decode's
+        model.py stops the server there, so its supervisor restarts it."""
         self.pb, self.engine, self.metrics = pb, engine, metrics
         self.max_input_bytes, self.draft_timeout_s = max_input_bytes, draft_timeout_s
         self.on_broken = on_broken
@@ -179,7 +180,7 @@ class SpecDecodeService:
                     return
             try:
                 self._round()
-            except ModelTimeout as error:  # a model process is stuck: nothing can go on
+            except ModelUnavailable as error:  # a model process is stuck or dead
                 self._break(str(error))
                 return
             except Exception:  # a bug outside the model calls: fail what is open, keep serving
@@ -206,7 +207,7 @@ class SpecDecodeService:
             try:
                 failed = drafting.result(timeout=self.draft_timeout_s + 5 if self.draft_timeout_s else None)
             except concurrent.futures.TimeoutError:
-                raise ModelTimeout("the drafting thread did not finish") from None
+                raise ModelUnavailable("the drafting thread did not finish") from None
         for out in failed:
             self._respond(out)
 

@@ -1,16 +1,21 @@
-"""Serving settings: one place, the `parameters` of `spec_decode/config.pbtxt`.
+"""Serving settings: one place, the `parameters` of `spec_decode/config.pbtxt`, whose defaults
+are the shipped configuration (a test checks that the CPU config.pbtxt states exactly these).
 
 `eagle_target` and `eagle_drafter` read the same block (from the spec_decode folder of their
 repository), so model folders, dtype and cache sizes can never disagree between the process
-that allocates pages and the processes that hold the KV tensors.
+that allocates pages and the processes that hold the KV tensors. `EngineConfig` is the part the
+engine uses, taken from the settings by field name; the in-process engine (`eagle_serve.local`,
+the CLI, the trainer's eval) starts from the same defaults, so it runs what the server runs.
+Imports no torch: preprocess and postprocess read the tokenizer folder through here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from eagle_serve import paths
-from eagle_serve.engine import EngineConfig
+
+DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -26,16 +31,16 @@ class ServingSettings:
     max_running: int = 8                       # requests in one round
     max_waiting: int = 64                      # queued beyond that; more -> "server busy"
     max_model_len: int = 2048
-    num_speculative_tokens: int = 0            # default k of a request
+    num_speculative_tokens: int = 8            # default k of a request (tree: nodes verified)
     max_speculative_tokens: int = 8
-    draft_topk: int = 1                        # default children per draft-tree node (1 = chain)
-    draft_depth: int = 0                       # default draft-tree depth (0 = k)
+    draft_topk: int = 4                        # default children per draft-tree node (1 = chain)
+    draft_depth: int = 3                       # default draft-tree depth (0 = k)
     max_draft_topk: int = 8
     max_draft_depth: int = 8
-    max_tree_batch: int = 0                    # trees only while <= this many requests run (0 = always)
-    draft_min_prob: float = 0.0                # greedy drafts below this path probability are not
+    max_tree_batch: int = 1                    # trees only while <= this many requests run (0 = always)
+    draft_min_prob: float = 0.05               # greedy drafts below this path probability are not
     #                                            verified (the first always is); 0 = off
-    draft_expand_prob: float = 0.0             # draft deeper only while a draft reaches this; 0 = off
+    draft_expand_prob: float = 0.5             # draft deeper only while a draft reaches this; 0 = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
     max_stop_strings: int = 32                 # stop strings of one request
     max_stop_bytes: int = 4096                 # their total UTF-8 size
@@ -46,6 +51,13 @@ class ServingSettings:
     target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
     engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        for name in ("draft_min_prob", "draft_expand_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "ServingSettings":
@@ -69,21 +81,8 @@ class ServingSettings:
             return target, None
         return target, paths.resolve_model_path(self.drafter_model, repo_dir)
 
-    def draft_pruning(self):
-        from eagle_serve.drafter import DraftPruning
-        return DraftPruning(self.draft_min_prob, self.draft_expand_prob)
-
     def torch_dtype(self, on_gpu: bool):
-        import torch
-        names = {"float32": torch.float32, "float64": torch.float64,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype == "auto":
-            from eagle_serve.cpu_matmul import native_bf16
-            return torch.bfloat16 if on_gpu or native_bf16() else torch.float32
-        if on_gpu and self.dtype == "float64":  # the attention kernel accumulates in float32
-            raise ValueError("dtype float64 runs on CPU instances only; on a GPU use auto "
-                             "(bfloat16), float16 or float32")
-        return names[self.dtype]
+        return torch_dtype(self.dtype, on_gpu)
 
     def apply_threads(self, role: str) -> None:
         """Processes run one after another in a round; threads beyond the work oversubscribe
@@ -95,18 +94,70 @@ class ServingSettings:
              "engine": self.engine_threads}[role]
         torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
 
-    def engine_config(self, eos_token_ids: tuple[int, ...]) -> EngineConfig:
-        return EngineConfig(
-            num_speculative_tokens=self.num_speculative_tokens,
-            max_speculative_tokens=self.max_speculative_tokens, max_running=self.max_running,
-            max_waiting=self.max_waiting, max_model_len=self.max_model_len,
-            page_size=self.page_size, num_target_pages=self.num_target_pages,
-            num_drafter_pages=self.num_drafter_pages, num_draft_slots=self.num_draft_slots,
-            eos_token_ids=eos_token_ids, draft_topk=self.draft_topk, draft_depth=self.draft_depth,
-            max_draft_topk=self.max_draft_topk, max_draft_depth=self.max_draft_depth,
-            max_tree_batch=self.max_tree_batch, request_timeout_s=self.request_timeout_s,
-            max_queue_time_s=self.max_queue_time_s, max_stop_strings=self.max_stop_strings,
-            max_stop_bytes=self.max_stop_bytes)
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The settings the engine uses (names and meanings as in ServingSettings), plus the EOS
+    ids of the target. Build it with `from_settings` or `served(**overrides)`."""
+    num_speculative_tokens: int
+    max_speculative_tokens: int
+    max_running: int
+    max_waiting: int
+    max_model_len: int
+    page_size: int
+    num_target_pages: int
+    num_drafter_pages: int
+    num_draft_slots: int
+    draft_topk: int
+    draft_depth: int
+    max_draft_topk: int
+    max_draft_depth: int
+    max_tree_batch: int
+    draft_min_prob: float
+    draft_expand_prob: float
+    max_stop_strings: int
+    max_stop_bytes: int
+    request_timeout_s: float
+    max_queue_time_s: float
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_settings(cls, settings: ServingSettings, eos_token_ids: tuple[int, ...] = ()) -> "EngineConfig":
+        taken = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "eos_token_ids"}
+        return cls(**taken, eos_token_ids=tuple(eos_token_ids))
+
+    @classmethod
+    def served(cls, **overrides) -> "EngineConfig":
+        """The shipped defaults with some fields replaced (tests, library use)."""
+        return replace(cls.from_settings(ServingSettings()), **overrides)
+
+    def validate(self) -> None:
+        if not 1 <= self.draft_topk <= self.max_draft_topk:
+            raise ValueError(f"draft_topk must be in [1, {self.max_draft_topk}], got {self.draft_topk}")
+        if not 0 <= self.draft_depth <= self.max_draft_depth:
+            raise ValueError(f"draft_depth must be in [0, {self.max_draft_depth}] (0 = k), "
+                             f"got {self.draft_depth}")
+        if self.max_tree_batch < 0:
+            raise ValueError(f"max_tree_batch must be >= 0 (0 = no limit), got {self.max_tree_batch}")
+        for name in ("draft_min_prob", "draft_expand_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+def torch_dtype(name: str, on_gpu: bool = False):
+    """A dtype name of the settings -> torch dtype (auto: bfloat16 on GPU and on CPUs that
+    compute it natively, else float32)."""
+    import torch
+
+    if name == "auto":
+        from eagle_serve.cpu_matmul import native_bf16
+        return torch.bfloat16 if on_gpu or native_bf16() else torch.float32
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
+    if on_gpu and name == "float64":  # the attention kernel accumulates in float32
+        raise ValueError("dtype float64 runs on CPU instances only; on a GPU use auto "
+                         "(bfloat16), float16 or float32")
+    return getattr(torch, name)
 
 
 def tokenizer_dir(value: str, repo_dir: Path) -> Path:

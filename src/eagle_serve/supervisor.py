@@ -95,9 +95,8 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
     signal.signal(signal.SIGINT, on_signal)
     fast_failures = 0
     while True:
-        started = time.monotonic()
         child = subprocess.Popen(cmd, env=env)
-        died = _watch(child, repo, models, http_port, lambda: stopping)
+        died, was_ready = _watch(child, repo, models, http_port, lambda: stopping)
         if died:
             log(f"model process(es) {died} died; restarting tritonserver")
             child.send_signal(signal.SIGTERM)
@@ -108,15 +107,19 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
             code = child.wait()
         if stopping:
             return code
-        fast_failures = fast_failures + 1 if time.monotonic() - started < 60 and not died else 0
+        # a server that never got ready will not get ready by trying again and again; one that
+        # served and then stopped (spec_decode stops it when a model process is stuck) restarts
+        fast_failures = 0 if was_ready else fast_failures + 1
         if fast_failures >= max_fast_failures:
-            log(f"tritonserver exited {fast_failures} times within a minute of starting; giving up")
+            log(f"tritonserver exited {fast_failures} times before it was ready; giving up")
             return code or 1
         log(f"tritonserver exited with code {code}; restarting")
 
 
-def _watch(child: subprocess.Popen, repo: Path, models: list[str], http_port: int, stopping) -> list[str]:
-    """Until the child exits or a stub dies (after the server was ready) -> the dead models."""
+def _watch(child: subprocess.Popen, repo: Path, models: list[str], http_port: int,
+           stopping) -> tuple[list[str], bool]:
+    """Until the child exits or a stub dies (after the server was ready) -> the dead models,
+    and whether the server was ever ready."""
     server = psutil.Process(child.pid)
     was_ready = False
     while child.poll() is None and not stopping():
@@ -128,5 +131,5 @@ def _watch(child: subprocess.Popen, repo: Path, models: list[str], http_port: in
                 time.sleep(POLL_S)  # confirm: not a stub in the middle of starting
                 dead = missing_stubs(server, repo, models)
                 if dead:
-                    return dead
-    return []
+                    return dead, True
+    return [], was_ready

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from eagle_serve import paths
 from eagle_serve.checkpoints import read_target_tensor, save_head
 from eagle_serve.heads import EagleHead, random_head
-from eagle_serve.interfaces import DraftOutput, RaggedBatch, RowSampling
+from eagle_serve.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.target import load_target_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -178,11 +178,11 @@ class OracleDrafter:
                 return seq
         raise AssertionError("oracle does not know this request")
 
-    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling, topk=None, depth=None) -> DraftOutput:
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
+                sampling: RowSampling) -> DraftOutput:
         """Chains only (topk and depth are ignored; see TreeOracleDrafter)."""
         assert not bool(sampling.sampled.any()), "the oracle drafts greedy requests only"
-        cu, ks = batch.cu_seqlens.tolist(), num_drafts.tolist()
+        cu, ks = batch.cu_seqlens.tolist(), shapes.num_drafts.tolist()
         tokens = torch.full((len(ks), max(ks, default=0)), -1, dtype=torch.int64)
         for b, k in enumerate(ks):
             end = int(batch.seq_lens[b])  # the last known token sits at position `end`
@@ -200,17 +200,17 @@ class TreeOracleDrafter(OracleDrafter):
     true one, so an accepted path is not stored contiguously and its KV has to move. Nodes in
     depth-first order, cut at num_drafts[b]."""
 
-    def propose(self, batch: RaggedBatch, features: torch.Tensor, num_drafts: torch.Tensor,
-                sampling: RowSampling, topk=None, depth=None) -> DraftOutput:
-        chains = super().propose(batch, features, num_drafts, sampling)
-        if topk is None:
+    def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
+                sampling: RowSampling) -> DraftOutput:
+        chains = super().propose(batch, features, shapes, sampling)
+        if not bool((shapes.topk > 1).any()):
             return chains
-        cu, ks = batch.cu_seqlens.tolist(), num_drafts.tolist()
+        cu, ks = batch.cu_seqlens.tolist(), shapes.num_drafts.tolist()
         tokens = torch.full((len(ks), max(ks, default=0)), -1, dtype=torch.int64)
         parents = torch.full_like(tokens, -1)
         tokens[:, :chains.tokens.shape[1]] = chains.tokens
         parents[:, :chains.tokens.shape[1]] = torch.arange(chains.tokens.shape[1]) - 1
-        for b, (k, width, levels) in enumerate(zip(ks, topk.tolist(), depth.tolist())):
+        for b, (k, width, levels) in enumerate(zip(ks, shapes.topk.tolist(), shapes.depth.tolist())):
             if width <= 1:
                 continue
             end = int(batch.seq_lens[b])
@@ -229,3 +229,18 @@ class TreeOracleDrafter(OracleDrafter):
             parents[b, :len(nodes)] = torch.tensor([p for _, p in nodes])
             tokens[b, len(nodes):] = parents[b, len(nodes):] = -1
         return DraftOutput(tokens=tokens, probs=chains.probs, parents=parents)
+
+
+# Unit tests pin the engine to chains of k = 4, unpruned, on small caches, whatever the served
+# defaults are (tests that mean "as served" use EngineConfig.served / build_local_engine).
+TEST_ENGINE = dict(num_speculative_tokens=4, draft_topk=1, draft_depth=0, max_tree_batch=0,
+                   draft_min_prob=0.0, draft_expand_prob=0.0, num_target_pages=256,
+                   num_drafter_pages=256, num_draft_slots=128, eos_token_ids=())
+
+
+def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, dtype="float64",
+                **overrides):
+    """An in-process engine on a tiny model (float64) with TEST_ENGINE's settings."""
+    from eagle_serve.local import build_local_engine
+
+    return build_local_engine(target_dir, head_dir, dtype=dtype, **{**TEST_ENGINE, **overrides})

@@ -39,6 +39,21 @@ def load_tokenizer(folder: str | Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids of a model folder: generation_config.json, else config.json (an int or a list)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = AutoConfig.from_pretrained(str(model_dir)).eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 

@@ -20,7 +20,8 @@ import torch
 
 from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
-from eagle_serve.bls import batch_from_request, input_tensor, optional_pair, response_tensors
+from eagle_serve.bls import (batch_from_request, input_tensor, optional_pair, response_tensors,
+                             shapes_from_request)
 from eagle_serve.settings import read_settings
 from kernels.warmup import warm_drafter, warm_target
 
@@ -105,7 +106,7 @@ class DrafterWorker(_Worker):
             s = self.settings
             self.drafter = load_drafter(self.drafter_dir, self.target_dir, dtype=self.dtype,
                                         device=self.device, num_pages=s.num_drafter_pages,
-                                        page_size=s.page_size, pruning=s.draft_pruning())
+                                        page_size=s.page_size)
             log_warmup("eagle_drafter", warm_drafter(self.drafter))
 
     def handle(self, pb, request) -> list:
@@ -114,11 +115,9 @@ class DrafterWorker(_Worker):
             raise tu.RequestError("no drafter is configured (drafter_model is none)")
         batch, sampling = batch_from_request(pb, request, self.device)
         features = input_tensor(pb, request, "features").to(self.device)
-        num_drafts = input_tensor(pb, request, "num_drafts").to(self.device)
-        shape = optional_pair(pb, request, ("draft_topk", "draft_depth"), self.device)
-        topk, depth = shape if shape is not None else (None, None)
-        out = self.drafter.propose(batch, features, num_drafts, sampling, topk=topk, depth=depth)
+        shapes = shapes_from_request(pb, request, self.device)
+        out = self.drafter.propose(batch, features, shapes, sampling)
         named = {"tokens": out.tokens, "probs": out.probs.float()}
-        if topk is not None:
+        if out.parents is not None:
             named["parents"] = out.parents
         return response_tensors(pb, named, self.epoch)

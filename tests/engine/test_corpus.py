@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from eagle_serve.local import build_local_engine
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.tokenization import encode_prompt
 from eagle_serve.train.corpus import generate_corpus, read_corpus
 

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_serve.engine import SamplingParams
-from eagle_serve.local import build_local_engine
-from eagle_serve.testing import OracleDrafter
+from eagle_serve.requests import SamplingParams
+from eagle_serve.testing import OracleDrafter, tiny_engine
 
 MAX_TOKENS = 24
 
 
-def engine_for(target, head=None, **overrides):
-    overrides.setdefault("eos_token_ids", ())
-    return build_local_engine(target, head, dtype="float64", **overrides)
+engine_for = tiny_engine
 
 
 def greedy(k):
@@ -69,8 +66,8 @@ def test_bf16_verify_passes_reproduce_one_token_decoding_bitwise(tiny_target, ea
     row-invariant, so bf16 speculative decoding is exactly bf16 plain decoding (one request at a
     time), in any batch, for chains and trees."""
     def run(head, **params):
-        engine = build_local_engine(tiny_target, head, dtype="bfloat16", eos_token_ids=(),
-                                    max_running=max_running if head else 1)
+        engine = tiny_engine(tiny_target, head, dtype="bfloat16",
+                             max_running=max_running if head else 1)
         return engine, [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **params))]
 
     _, plain = run(None, num_speculative_tokens=0)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from eagle_serve import paths
 from eagle_serve.checkpoints import CheckpointError, load_drafter, load_head
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel
@@ -126,7 +126,7 @@ def test_a_folder_without_weights_fails_with_a_clear_message(tmp_path, tiny_targ
 
 
 def test_a_sampled_request_without_drafts_adds_no_draft_probabilities(tiny_target, eagle1_head):
-    from eagle_serve.interfaces import RowSampling
+    from eagle_serve.interfaces import DraftShapes, RowSampling
     drafter = load_drafter(eagle1_head, tiny_target, dtype=torch.float64, num_pages=16, page_size=4)
     seqs = [[5, 6, 7, 8], [9, 10, 11]]
     short = ragged(seqs, PagePool(16, 4))  # pages 0, 1 / 2 ... then room for the drafts
@@ -135,7 +135,7 @@ def test_a_sampled_request_without_drafts_adds_no_draft_probabilities(tiny_targe
     features = torch.randn(7, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     sampled = RowSampling(torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
                           torch.tensor([1, 2]))
-    both = drafter.propose(batch, features, torch.tensor([0, 2]), sampled)
+    both = drafter.propose(batch, features, DraftShapes.chains(torch.tensor([0, 2])), sampled)
     assert both.probs.shape[0] == 2  # only the second request's two drafts
-    alone = drafter.propose(batch, features, torch.tensor([2, 2]), sampled)
+    alone = drafter.propose(batch, features, DraftShapes.chains(torch.tensor([2, 2])), sampled)
     assert torch.equal(both.probs, alone.probs[2:])

@@ -5,16 +5,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_serve.engine import EngineBusy, SamplingParams
-from eagle_serve.local import build_local_engine
-from eagle_serve.testing import OracleDrafter
+from eagle_serve.engine import EngineBusy
+from eagle_serve.requests import SamplingParams
+from eagle_serve.testing import OracleDrafter, tiny_engine
 
 MAX_TOKENS = 24
 
 
-def engine_for(target, head=None, **overrides):
-    overrides.setdefault("eos_token_ids", ())
-    return build_local_engine(target, head, dtype="float64", **overrides)
+engine_for = tiny_engine
 
 
 def sampled(seed, k=3, **kw):

@@ -6,7 +6,7 @@ import torch
 
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.heads import random_head
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel
 from eagle_serve.local import build_local_engine

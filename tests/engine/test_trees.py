@@ -9,21 +9,17 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from eagle_serve.checkpoints import load_drafter
-from eagle_serve.drafter import DraftPruning
-from eagle_serve.engine import SamplingParams
-from eagle_serve.interfaces import RaggedBatch, RowSampling
+from eagle_serve.requests import SamplingParams
+from eagle_serve.interfaces import DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.local import build_local_engine
-from eagle_serve.testing import TreeOracleDrafter, make_random_head, make_tiny_llama
+from eagle_serve.testing import TreeOracleDrafter, make_random_head, make_tiny_llama, tiny_engine
 from kernels.sampling import compute_probs_ref
 
 MAX_TOKENS = 24
 SHAPES = [(2, 3, 4), (4, 4, 8), (3, 2, 6)]  # (draft_topk, draft_depth, k = nodes verified)
 
 
-def engine_for(target, head=None, **overrides):
-    overrides.setdefault("eos_token_ids", ())
-    return build_local_engine(target, head, dtype="float64", **overrides)
+engine_for = tiny_engine
 
 
 def tree(topk, depth, k, max_tokens=MAX_TOKENS):
@@ -32,12 +28,14 @@ def tree(topk, depth, k, max_tokens=MAX_TOKENS):
 
 
 def record_tree_calls(engine) -> list[dict]:
-    """Wrap the drafter's propose: -> the tree arguments of each call."""
+    """Wrap the drafter's propose: -> the tree shapes of each call ({} when all rows draft
+    chains)."""
     calls, propose = [], engine.drafter.propose
 
-    def wrapped(*args, **kwargs):
-        calls.append({k: v.tolist() for k, v in kwargs.items() if v is not None})
-        return propose(*args, **kwargs)
+    def wrapped(batch, features, shapes, sampling):
+        trees = bool((shapes.topk > 1).any())
+        calls.append({"topk": shapes.topk.tolist(), "depth": shapes.depth.tolist()} if trees else {})
+        return propose(batch, features, shapes, sampling)
     engine.drafter.propose = wrapped
     return calls
 
@@ -169,8 +167,9 @@ def test_tree_attention_in_the_drafter_equals_recomputing_each_path_as_a_chain(
     greedy = RowSampling(torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
                          torch.zeros(2, dtype=torch.int64))
     topk, depth, nodes = [3, 2], [4, 3], [10, 6]
-    out = drafter.propose(batch, features, torch.tensor(nodes), greedy,
-                          topk=torch.tensor(topk), depth=torch.tensor(depth))
+    zeros = torch.zeros(2)
+    out = drafter.propose(batch, features, DraftShapes(torch.tensor(nodes), torch.tensor(topk),
+                                                       torch.tensor(depth), zeros, zeros), greedy)
     for b in range(2):
         parents, scores = out.parents[b, :nodes[b]].tolist(), out.scores[b, :nodes[b]].tolist()
         assert all(p < i for i, p in enumerate(parents))  # parents before children
@@ -358,7 +357,7 @@ def record_drafts(engine) -> list[tuple[list[int], list[int], list[float] | None
             n = tokens.index(-1) if -1 in tokens else len(tokens)
             parents = out.parents[b, :n].tolist() if out.parents is not None else list(range(-1, n - 1))
             probs = None
-            if out.scores is not None and kwargs["topk"][b] > 1:
+            if out.scores is not None and args[2].topk[b] > 1:  # propose(batch, features, shapes, ...)
                 probs = out.scores[b, :n].exp().tolist()
             drafts.append((tokens[:n], parents, probs))
         return out
@@ -386,9 +385,10 @@ def test_pruned_drafts_are_the_confident_ones_and_the_output_stays_the_targets(
     probe.generate(prompts[:4], params)
     later = sorted(p for _, _, probs in seen if probs for p in probs[1:])
     firsts = sorted(probs[0] for _, _, probs in seen if probs)
-    pruning = DraftPruning(min_prob=later[len(later) // 2], expand_prob=firsts[len(firsts) // 2])
+    min_prob, expand_prob = later[len(later) // 2], firsts[len(firsts) // 2]
 
-    engine = engine_for(tiny_target, head, max_running=4, max_tree_batch=2, pruning=pruning)
+    engine = engine_for(tiny_target, head, max_running=4, max_tree_batch=2, draft_min_prob=min_prob,
+                        draft_expand_prob=expand_prob)
     drafts = record_drafts(engine)
     results = engine.generate(prompts[:4], params)
     assert [r.token_ids for r in results] == [hf_greedy(p, sp.max_tokens) for p, sp in zip(prompts, params)]
@@ -396,10 +396,10 @@ def test_pruned_drafts_are_the_confident_ones_and_the_output_stays_the_targets(
     chains = [tokens for tokens, _, probs in drafts if probs is None and tokens]
     assert trees and chains
     for parents, probs in trees:
-        assert all(p >= pruning.min_prob for p in probs[1:])
+        assert all(p >= min_prob for p in probs[1:])
         d = depths(parents)
         for level in range(2, max(d) + 1):  # a level only under a confident draft
-            assert max(p for p, dd in zip(probs, d) if dd == level - 1) >= pruning.expand_prob
+            assert max(p for p, dd in zip(probs, d) if dd == level - 1) >= expand_prob
     assert any(len(probs) > 1 for _, probs in trees) and any(len(c) > 1 for c in chains)
     nodes = lambda recorded: sum(len(t) for t, _, _ in recorded)  # noqa: E731
     assert nodes(drafts) < nodes(seen) * 0.8  # pruned, though more rounds drafted
@@ -411,7 +411,8 @@ def test_pruned_drafts_are_the_confident_ones_and_the_output_stays_the_targets(
                          ids=["min_prob=1: one draft", "expand_prob=1: one level"])
 def test_pruning_at_certainty_drafts_one_draft_or_one_level(tiny_target, eagle3_head, prompts,
                                                             hf_greedy, limits, most, deepest):
-    engine = engine_for(tiny_target, eagle3_head, max_running=2, pruning=DraftPruning(*limits))
+    engine = engine_for(tiny_target, eagle3_head, max_running=2, draft_min_prob=limits[0],
+                        draft_expand_prob=limits[1])
     drafts = record_drafts(engine)
     params = [tree(4, 3, 8), tree(1, 5, 5)]
     results = engine.generate(prompts[2:4], params)

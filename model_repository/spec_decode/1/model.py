@@ -8,10 +8,10 @@ from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
 from eagle_serve.bls import BlsDrafter, BlsTarget
 from eagle_serve.engine import Engine
-from eagle_serve.local import eos_token_ids
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.service import SpecDecodeService
-from eagle_serve.settings import ServingSettings
+from eagle_serve.settings import EngineConfig, ServingSettings
+from eagle_serve.tokenization import eos_token_ids
 from eagle_serve.workers import instance_device, log_warmup
 from kernels.warmup import warm_engine
 
@@ -29,7 +29,7 @@ class TritonPythonModel:
         bls = dict(key=internal_key.server_key(), timeout_s=settings.model_call_timeout_s)
         target = BlsTarget(pb_utils, vocab, device, **bls)
         drafter = BlsDrafter(pb_utils, vocab, device, **bls) if drafter_dir is not None else None
-        engine = Engine(target, drafter, settings.engine_config(eos_token_ids(target_dir)),
+        engine = Engine(target, drafter, EngineConfig.from_settings(settings, eos_token_ids(target_dir)),
                         tokenizer=AutoTokenizer.from_pretrained(str(target_dir)), device=device)
         log_warmup("spec_decode", warm_engine(engine))  # GPU kernels compiled before any request
         metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)

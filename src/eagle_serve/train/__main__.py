@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     e.add_argument("--prompts", type=Path, default=HELDOUT)
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--max-tokens", type=int, default=96)
-    e.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
+    e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
                    help="in-process eval: dtype of target and head (the CPU server runs bfloat16 "
                         "where the CPU has native bf16)")
     e.add_argument("--teacher-forced", type=Path, default=None, metavar="WORK",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.tokenization import encode_prompt
 

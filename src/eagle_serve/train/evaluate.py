@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_serve.engine import SamplingParams
+from eagle_serve.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.tokenization import encode_prompt
 
@@ -19,15 +19,18 @@ def heldout_prompts(path: Path) -> list[str]:
 
 
 def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
-             max_tokens: int = 96, batch: int = 1, dtype: str = "float32") -> dict:
+             max_tokens: int = 96, batch: int = 1, dtype: str = "auto") -> dict:
     """-> tau, per-position acceptance (given all earlier accepted), tokens/s of k and of k=0.
     dtype: of target and head (bfloat16 = what the server runs on CPUs with native bf16)."""
-    engine = build_local_engine(target_dir, head_dir, max_running=batch, dtype=dtype)
+    # the head's own acceptance per chain position: unpruned chains of k
+    engine = build_local_engine(target_dir, head_dir, max_running=batch, dtype=dtype,
+                                draft_min_prob=0.0, draft_expand_prob=0.0)
     ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
     timings = {}
     for kk in (0, k):
         start = time.perf_counter()
-        results = engine.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=kk))
+        results = engine.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=kk,
+                                                      draft_topk=1))  # chains
         seconds = time.perf_counter() - start
         timings[kk] = sum(len(r.token_ids) for r in results) / seconds
         if kk == k:

@@ -1,0 +1,79 @@
+"""In-process timings of the CPU linears and the target forward (no server):
+
+    python clients/forward_bench.py
+
+Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
+16 rows (torch's nn.Linear vs CpuLinear, fp32 and bf16), then the default target's forward for
+1 to 16 new tokens of one request at context 200. docs/performance.md quotes it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from eagle_serve import paths
+from eagle_serve.cpu_matmul import CpuLinear
+from eagle_serve.interfaces import RaggedBatch
+from eagle_serve.kv_pages import PagePool
+from eagle_serve.target import TargetModel
+
+
+def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, layers: int = 30,
+           repeats: int = 9) -> None:
+    """Median time of one pass through the linears of `layers` Llama layers + an LM head."""
+    shapes = [(hidden, hidden), (hidden // 3, hidden), (hidden // 3, hidden), (hidden, hidden),
+              (inter, hidden), (inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
+    plain = [nn.Linear(i, o, bias=False) for o, i in shapes]
+    ours = [CpuLinear(m) for m in plain]
+    ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
+    print("rows  nn.Linear ms  CpuLinear ms  CpuLinear bf16 ms")
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5, 8, 16):
+            times = []
+            for mods, dtype in ((plain, torch.float32), (ours, torch.float32), (ours_bf16, torch.bfloat16)):
+                xs = {i: torch.randn(rows, i, dtype=dtype) for i in (hidden, inter)}
+                runs = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for m in mods:
+                        m(xs[m.in_features])
+                    runs.append(time.perf_counter() - start)
+                times.append(sorted(runs)[repeats // 2] * 1e3)
+            print(f"{rows:4d}  {times[0]:12.1f}  {times[1]:12.1f}  {times[2]:17.1f}", flush=True)
+
+
+def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:
+    """Median time of the default target's forward (+ LM head) for `rows` new tokens of one
+    request at `context`, with torch's nn.Linear and with CpuLinear (interleaved)."""
+    folder = paths.default_target_dir()
+    ours = TargetModel(folder, num_pages=64)
+    plain = TargetModel(folder, num_pages=64)
+    plain.hf = type(plain.hf).from_pretrained(str(folder), dtype=torch.float32).eval()  # nn.Linear
+    times: dict = {}
+    for _ in range(repeats):
+        for rows in rows_list:
+            pool, table = PagePool(64, 16), []
+            pool.grow(table, context + rows)
+            pos = list(range(context, context + rows))
+            batch = RaggedBatch(torch.randint(0, 1000, (rows,)), torch.tensor(pos), torch.tensor([0, rows]),
+                                torch.tensor([context + rows]), torch.tensor([table]),
+                                torch.tensor([pool.slot(table, p) for p in pos]))
+            for name, model in (("nn.Linear", plain), ("CpuLinear", ours)):
+                start = time.perf_counter()
+                model.logits(batch, torch.arange(rows))
+                times.setdefault((rows, name), []).append(time.perf_counter() - start)
+    print(f"target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
+    for rows in rows_list:
+        cells = []
+        for name in ("nn.Linear", "CpuLinear"):
+            t = sorted(times[(rows, name)])[repeats // 2] * 1e3
+            t1 = sorted(times[(1, name)])[repeats // 2] * 1e3
+            cells.append(f"{name} {t:6.1f} ({t / t1:.2f}x)")
+        print(f"{rows:4d}  " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    bench_linears()
+    bench_target()

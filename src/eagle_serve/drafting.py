@@ -1,0 +1,116 @@
+"""The draft policy and the drafter call: what each request drafts each round.
+
+`DraftPolicy` is the one home of the rules: a request's tree shape (draft_topk x draft_depth,
+k nodes; sampled requests and k = 0 draft chains), what a round may draft (depth clamped to the
+tokens the request may still emit; a chain of the tree's depth when more than `max_tree_batch`
+requests run), and the confidence limits on greedy drafts. The drafter only executes the shapes
+it is sent, row by row; verification and acceptance do not depend on the policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch
+from eagle_serve.kv_pages import PagePool
+from eagle_serve.requests import Request, SamplingParams
+from eagle_serve.settings import EngineConfig
+from eagle_serve.verify import DraftWork, block_tables, int_tensor, row_sampling
+from eagle_serve.workspace import DraftWorkspace
+
+
+def tree_capacity(topk: int, depth: int) -> int:
+    """Candidates an EAGLE-2 tree of this shape scores: topk at depth 1, topk^2 at each deeper
+    level (the children of the topk expanded nodes)."""
+    return topk + (depth - 1) * topk * topk if depth > 0 else 0
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What one request drafts in one round."""
+    nodes: int            # drafts verified (a chain: its length)
+    topk: int             # children per tree node (1 = chain)
+    depth: int            # levels
+    min_prob: float       # greedy drafts below this path probability are dropped (0 = off)
+    expand_prob: float    # draft a level deeper only under a draft this likely (0 = off)
+
+
+class DraftPolicy:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    def default_k(self, params: SamplingParams, has_drafter: bool) -> int:
+        if not has_drafter:
+            return 0
+        k = params.num_speculative_tokens
+        return self.config.num_speculative_tokens if k is None else k
+
+    def request_shape(self, params: SamplingParams, k: int) -> tuple[int, int]:
+        """-> (topk, depth) of a request's drafts: depth <= k; sampled requests draft chains of
+        k (rejection sampling over a tree would need per-node draft distributions)."""
+        cfg = self.config
+        if params.temperature > 0 or k == 0:
+            return 1, k
+        topk = cfg.draft_topk if params.draft_topk is None else params.draft_topk
+        depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
+        return topk, min(depth or k, k)
+
+    def round_shape(self, req: Request, left: int, batch_size: int) -> RoundShape:
+        """`left` = tokens the request may still add after the next one. A tree of depth D
+        scores tree_capacity(topk, D) candidates and keeps the best min(k, that); depth is
+        clamped to `left` (a chain: k too). With more than max_tree_batch requests running, a
+        tree request drafts a chain of its depth."""
+        cfg = self.config
+        limit = cfg.max_tree_batch
+        trees_allowed = limit == 0 or batch_size <= limit
+        depth = max(0, min(req.depth, left))
+        pruning = (cfg.draft_min_prob, cfg.draft_expand_prob) if req.greedy else (0.0, 0.0)
+        if req.topk > 1 and depth > 0 and trees_allowed:
+            return RoundShape(min(req.k, tree_capacity(req.topk, depth)), req.topk, depth, *pruning)
+        return RoundShape(depth, 1, depth, *pruning)
+
+
+def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftPolicy,
+                   pool: PagePool, workspace: DraftWorkspace, batch_size: int, device) -> None:
+    """One drafter call: catch up on each request's newly verified positions and draft its next
+    round; the drafts (and sampled requests' draft probabilities) go into the request."""
+    cfg = policy.config
+    ids, positions, cu, seq_lens, slots, shapes = [], [], [0], [], [], []
+    for w in work:
+        req = w.req
+        start, end = req.draft_computed, req.num_computed
+        assert w.features.shape[0] == end - start, "drafter fell behind the target"
+        left = min(req.params.max_tokens - len(req.output) - 1, cfg.max_model_len - len(req.tokens))
+        shapes.append(policy.round_shape(req, left, batch_size))
+        ids += req.tokens[start + 1:end + 1]
+        positions += range(start, end)
+        slots += [pool.slot(req.drafter_pages, p) for p in range(start, end)]
+        cu.append(cu[-1] + end - start)
+        seq_lens.append(end)
+    t = lambda x: int_tensor(x, device)  # noqa: E731
+    batch = RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens),
+                        block_tables([w.req.drafter_pages for w in work], device), t(slots))
+    prob = lambda x: torch.tensor(x, dtype=torch.float32, device=device)  # noqa: E731
+    wire = DraftShapes(t([s.nodes for s in shapes]), t([s.topk for s in shapes]),
+                       t([s.depth for s in shapes]), prob([s.min_prob for s in shapes]),
+                       prob([s.expand_prob for s in shapes]))
+    out = drafter.propose(batch, torch.cat([w.features for w in work]), wire,
+                          row_sampling([w.req.sampling_row() for w in work], device))
+    prob_row = 0
+    for i, (w, shape) in enumerate(zip(work, shapes)):
+        req = w.req
+        req.draft_computed = req.num_computed
+        pool.shrink(req.drafter_pages, req.draft_computed)
+        drafts = out.tokens[i, :shape.nodes].tolist()
+        drafts = drafts[:drafts.index(-1)] if -1 in drafts else drafts  # fewer nodes
+        parents = (out.parents[i, :len(drafts)].tolist() if out.parents is not None
+                   else list(range(-1, len(drafts) - 1)))
+        slots = workspace.alloc(len(drafts))
+        if not req.greedy:
+            q = out.probs[prob_row:prob_row + len(drafts)]
+            prob_row += len(drafts)
+            if slots is not None:
+                workspace.store(slots, q)
+        if slots is not None:  # no free slots: this round verifies no drafts
+            req.drafts, req.draft_slots, req.parents = drafts, slots, parents

@@ -1,0 +1,181 @@
+"""One request inside the engine: what the client asked for (`SamplingParams`), the state the
+engine keeps for it (`Request`), and what a round hands back (`RequestOutput`)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from eagle_serve.settings import EngineConfig
+from eagle_serve.stopping import StopChecker
+
+
+def acceptance_length(accepted_tokens: int, rounds: int) -> float:
+    """Tokens a request gains per verify round: its accepted drafts plus the target's own token
+    each round, over the rounds (1.0 for plain decoding)."""
+    return (accepted_tokens + rounds) / rounds if rounds else 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    seed: int | None = None           # None = a random seed
+    num_speculative_tokens: int | None = None  # None = the engine's default; 0 = plain decoding
+    stop: tuple[str, ...] = ()        # stop strings, excluded from the output
+    ignore_eos: bool = False
+    draft_topk: int | None = None     # children per tree node; None = the engine's; 1 = chain
+    draft_depth: int | None = None    # tree levels; None = the engine's
+
+    def validate(self, cfg: EngineConfig, max_k: int) -> None:
+        """max_k: the largest k this engine drafts (0 without a drafter)."""
+        stop_bytes = sum(len(s.encode("utf-8")) for s in self.stop)
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= max_k,
+             f"num_speculative_tokens must be in [0, {max_k}], got {self.num_speculative_tokens}"),
+            (all(self.stop), "stop strings must not be empty"),
+            (len(self.stop) <= cfg.max_stop_strings,
+             f"at most {cfg.max_stop_strings} stop strings are allowed, got {len(self.stop)}"),
+            (stop_bytes <= cfg.max_stop_bytes,
+             f"stop strings may total at most {cfg.max_stop_bytes} bytes, got {stop_bytes}"),
+            (self.draft_topk is None or 1 <= self.draft_topk <= cfg.max_draft_topk,
+             f"draft_topk must be in [1, {cfg.max_draft_topk}], got {self.draft_topk}"),
+            (self.draft_depth is None or 1 <= self.draft_depth <= cfg.max_draft_depth,
+             f"draft_depth must be in [1, {cfg.max_draft_depth}], got {self.draft_depth}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass
+class RequestOutput:
+    """What one round produced for one request; counters are running totals."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str          # "" until finished, then "length", "stop" or "cancelled"
+    num_input_tokens: int
+    num_output_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_rounds: int
+    error: str = ""             # the request failed: a message for its client (finished, no reason)
+    error_code: str = ""        # then: "INTERNAL" (a model call failed) or "UNAVAILABLE" (limits)
+    cause: BaseException | None = field(default=None, repr=False)  # what failed (logged, not sent)
+
+
+@dataclass(eq=False)  # identity: `req in running` must not compare fields
+class Request:
+    id: str
+    prompt_len: int
+    params: SamplingParams
+    k: int                          # drafts verified per round (tree: nodes), 0 = plain decoding
+    seed: int
+    stop: StopChecker | None
+    tokens: list[int]               # prompt + output
+    topk: int = 1                   # draft-tree shape (1 = chain; sampled requests: 1)
+    depth: int = 0                  # <= k
+    arrival: int = 0                # admission order
+    arrived_at: float = field(default_factory=time.monotonic)
+    admitted: bool = False          # has been in the running batch
+    suspect: bool = False           # was in a batch whose model call failed: runs alone until a
+    #                                 round of its own succeeds
+    num_computed: int = 0           # positions in the target's KV
+    draft_computed: int = 0         # positions in the drafter's KV
+    drafts: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)   # of each draft (-1 = the last token)
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) target positions,
+    #                                 applied by the next forward (the accepted tree path)
+    draft_slots: list[int] = field(default_factory=list)
+    target_pages: list[int] = field(default_factory=list)
+    drafter_pages: list[int] = field(default_factory=list)
+    num_sent: int = 0               # output tokens handed out
+    finish_reason: str = ""
+    error: str = ""                 # set when the request failed
+    error_code: str = ""
+    cause: BaseException | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_rounds: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason or self.error)
+
+    def sampling_row(self) -> tuple[float, int, float, int]:
+        p = self.params
+        return (p.temperature, p.top_k, p.top_p, self.seed)
+
+    @property
+    def is_tree(self) -> bool:
+        """Drafts that are not a chain (-1, 0, 1, ...)."""
+        return any(p != j - 1 for j, p in enumerate(self.parents))
+
+    def drafter_scratch(self) -> int:
+        """Drafter positions past the verified ones that one drafting round may write."""
+        return max(self.k, self.topk * (self.depth - 1)) if self.topk > 1 else self.k
+
+    def fail(self, message: str, code: str, cause: BaseException | None = None) -> None:
+        self.error, self.error_code, self.cause = message, code, cause
+
+    def append(self, tokens: list[int], eos_token_ids: tuple[int, ...]) -> None:
+        """Add accepted tokens up to EOS, max_tokens or a stop string (cut out)."""
+        p = self.params
+        for tok in tokens:
+            self.tokens.append(tok)
+            if tok in eos_token_ids and not p.ignore_eos:
+                self.finish_reason = "stop"
+            elif len(self.output) >= p.max_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        if self.stop is not None and self.stop.check(self.output):
+            del self.tokens[self.prompt_len + self.stop.keep:]
+            self.finish_reason = "stop"
+
+    def take_output(self, force: bool = False) -> RequestOutput | None:
+        """The tokens not handed out yet (held back while they could start a stop string), with
+        the running totals; None when there is nothing to say."""
+        if self.error:
+            return RequestOutput(self.id, [], True, "", self.prompt_len, len(self.output),
+                                 self.num_draft_tokens, self.num_accepted_tokens, self.num_rounds,
+                                 error=self.error, error_code=self.error_code, cause=self.cause)
+        upto = len(self.output)
+        if self.stop is not None and not self.finish_reason:
+            upto = self.stop.safe_upto(self.output)
+        new = self.output[self.num_sent:upto]
+        if not new and not self.finish_reason and not force:
+            return None
+        self.num_sent += len(new)
+        return RequestOutput(self.id, new, bool(self.finish_reason), self.finish_reason,
+                             self.prompt_len, len(self.output), self.num_draft_tokens,
+                             self.num_accepted_tokens, self.num_rounds)
+
+
+@dataclass
+class Completion:
+    """A request run to the end by `Engine.generate`."""
+    token_ids: list[int]
+    finish_reason: str
+    last: RequestOutput | None
+
+    @property
+    def acceptance_length(self) -> float:
+        o = self.last
+        return acceptance_length(o.num_accepted_tokens, o.num_rounds) if o else 0.0
