@@ -53,8 +53,11 @@ class CpuLinear(nn.Module):
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):
             return nn.functional.linear(x, self.weight, self.bias)
         if x.dtype == torch.bfloat16 and x.shape[:-1].numel() == 1:  # the row-invariant kernel
-            padded = _padded_row(self.in_features)  # [2, in]: x, then zeros
-            padded[0].copy_(x.reshape(-1))
+            if x.requires_grad:
+                padded = torch.cat([x.reshape(1, -1), x.new_zeros(1, self.in_features)])
+            else:
+                padded = _padded_row(self.in_features)  # [2, in]: x, then zeros
+                padded[0].copy_(x.reshape(-1))
             out = torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")
             return out[:1].view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -69,7 +72,8 @@ def _padded_row(width: int) -> torch.Tensor:
     key = (threading.get_ident(), width)
     buffer = _PADDED.get(key)
     if buffer is None:
-        buffer = _PADDED[key] = torch.zeros(2, width, dtype=torch.bfloat16)
+        with torch.inference_mode(False):  # writable in and out of inference mode
+            buffer = _PADDED[key] = torch.zeros(2, width, dtype=torch.bfloat16)
     return buffer
 
 

@@ -82,3 +82,19 @@ def test_a_target_forward_runs_four_linears_per_layer_and_the_lm_head(tiny_targe
         target.logits(batch, torch.tensor([2]))
     calls = {e.key: e.count for e in prof.key_averages()}
     assert calls["aten::linear"] == 4 * target.num_layers + 1
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_single_bf16_row_gets_its_two_row_bits_in_and_out_of_inference_mode():
+    """The padded single row runs through a reused buffer: it must not keep an old row's values
+    or refuse writes in either mode."""
+    torch.manual_seed(0)
+    linear = CpuLinear(nn.Linear(48, 24).to(torch.bfloat16))
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        pair = linear(x[:2])
+        first = linear(x[:1])
+    with torch.no_grad():
+        second = linear(x[1])
+    assert torch.equal(first, pair[:1]) and torch.equal(second, pair[1])
+    assert torch.equal(linear(x[:1]), pair[:1])
