@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the server's)")
     p.add_argument("--target", default=str(paths.default_target_dir()), help="HF folder for hf modes")
     p.add_argument("--dtype", default="auto", help="hf modes: float32|float64|bfloat16|float16|auto "
-                   "(auto = bfloat16 on CUDA, else float32, as the server)")
+                   "(auto = what the server runs: bfloat16 on CUDA and on CPUs with native bf16, "
+                   "else float32)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10,
                    help="hf-lookup: prompt_lookup_num_tokens")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per mode first")
@@ -222,14 +223,12 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from eagle_serve.local import DTYPES, eos_token_ids
-        from eagle_serve.tokenization import load_tokenizer
+        from eagle_serve.settings import torch_dtype
+        from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device == "cuda" else "float32"
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype, self.device == "cuda"))
         self.model = model.to(self.device).eval()
         self.tokenizer = load_tokenizer(folder)
         self.eos = list(eos_token_ids(folder))

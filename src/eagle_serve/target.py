@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle_serve.cpu_matmul import use_cpu_linears
-from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput
+from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
 from eagle_serve.paged import PagedKVCache, paged_attention_step
 from kernels.sampling import compute_probs
 
@@ -191,13 +191,17 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
-                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ban: TokenBan | None = None) -> TargetOutput:
         """logit_rows: [R] rows of the batch to score; sampling: per row; kv_moves: (src [M],
-        dst [M]) slots copied first -> TargetOutput"""
+        dst [M]) slots copied first; ban: tokens masked on some of the R rows -> TargetOutput"""
         if kv_moves is not None:
             self.cache.move(*(m.to(self.device) for m in kv_moves))
         final, features = self.hidden_states(batch)
         logits = self._logits(final[logit_rows])  # [R, V]
+        if ban is not None:  # before argmax and sampling, as HF's MinNewTokens processor
+            rows, ids = ban.rows.to(logits.device), ban.token_ids.to(logits.device)
+            logits[rows.unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
         sampled = sampling.sampled
         probs = logits.new_zeros((0, logits.shape[1]), dtype=torch.float32)
         if bool(sampled.any()):

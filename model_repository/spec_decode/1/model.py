@@ -36,10 +36,11 @@ class TritonPythonModel:
                         tokenizer=tokenizer, device=device,
                         corpus=load_corpus_index(corpus, tokenizer) if corpus else None)
         log_warmup("spec_decode", warm_engine(engine))  # GPU kernels compiled before any request
-        metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)
+        metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens, model_name=target_dir.name)
         self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes,
                                          draft_timeout_s=settings.model_call_timeout_s,
-                                         on_broken=tu.stop_server)
+                                         on_broken=tu.stop_server,
+                                         apply_chat_template=settings.apply_chat_template)
 
     def execute(self, requests):
         for request in requests:
