@@ -77,18 +77,28 @@ class DraftPolicy:
         if p.context_lookup:
             req.context = ContextIndex(min_n=CONTEXT_MIN_MATCH)
 
-    def lookups(self, req: Request, left: int, batch_size: int) -> list[Proposal]:
-        """The request's lookup branches this round (longest first), at most `left` deep."""
+    def lookups(self, req: Request, left: int, batch_size: int, head_path: list[int] = ()
+                ) -> list[Proposal]:
+        """The request's lookup branches this round: continuations of its tokens, and of its
+        tokens + the head's most likely path (so a confident head's path goes deeper), each
+        source at most lookup_tokens long, every branch at most `left` deep (longest first)."""
         cfg = self.config
-        limit = min(cfg.lookup_tokens, left)
-        if not req.lookup_budget or limit <= 0 or not self._trees_allowed(batch_size):
+        depth = min(left, cfg.max_speculative_tokens)
+        if not req.lookup_budget or depth <= 0 or not self._trees_allowed(batch_size):
             return []
         found = []
-        if req.context is not None:
-            found.append(req.context.propose(req.tokens, limit))
-        if req.params.corpus_lookup and self.corpus is not None:
-            found.append(self.corpus.propose(req.tokens, limit, CORPUS_MIN_PROB))
-        return sorted((p for p in found if p is not None), key=lambda p: -len(p.tokens))
+        for prefix in ([], list(head_path))[:1 + bool(head_path)]:
+            limit = min(cfg.lookup_tokens, depth - len(prefix))
+            if limit <= 0:
+                continue
+            proposed = []
+            if req.context is not None:
+                proposed.append(req.context.propose(req.tokens, limit, after=prefix))
+            if req.params.corpus_lookup and self.corpus is not None:
+                proposed.append(self.corpus.propose(req.tokens[-self.corpus.max_n:] + prefix,
+                                                    limit, CORPUS_MIN_PROB))
+            found += [Proposal(prefix + p.tokens, p.source, p.match) for p in proposed if p]
+        return sorted(found, key=lambda p: -len(p.tokens))
 
     def _trees_allowed(self, batch_size: int) -> bool:
         limit = self.config.max_tree_batch
@@ -145,7 +155,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
                    else list(range(-1, len(drafts) - 1)))
         sources = ["eagle"] * len(drafts)
         budget = req.lookup_budget
-        for branch in policy.lookups(req, lefts[i], batch_size):
+        for branch in policy.lookups(req, lefts[i], batch_size, first_path(drafts, parents)):
             budget -= merge_branch(drafts, parents, sources, branch, budget)
         slots = workspace.alloc(len(drafts))
         if not req.greedy:
@@ -155,6 +165,16 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
                 workspace.store(slots, q)
         if slots is not None:  # no free slots: this round verifies no drafts
             req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
+
+
+def first_path(drafts: list[int], parents: list[int]) -> list[int]:
+    """The tokens along the first child of each node from the root (the head's most likely
+    path: it orders children best first)."""
+    path, node = [], -1
+    while (child := next((i for i, p in enumerate(parents) if p == node), None)) is not None:
+        path.append(drafts[child])
+        node = child
+    return path
 
 
 def merge_branch(drafts: list[int], parents: list[int], sources: list[str], branch: Proposal,

@@ -51,16 +51,18 @@ class ContextIndex:
                     self.maps[n][tuple(tokens[end + 1 - n:end + 1])] = end + 1
         self.indexed = max(self.indexed, len(tokens) - 1)
 
-    def propose(self, tokens: list[int], limit: int) -> Proposal | None:
-        """The continuation after the latest earlier occurrence of the longest matching suffix.
-        A match that overlaps the suffix continues periodically (a repetition loop)."""
+    def propose(self, tokens: list[int], limit: int, after: list[int] = ()) -> Proposal | None:
+        """The continuation of tokens + after (`after`: drafted, not indexed) after the latest
+        earlier occurrence in `tokens` of its longest matching suffix. A match that overlaps the
+        suffix continues periodically (a repetition loop)."""
         self.update(tokens)
+        seq = list(tokens) + list(after) if after else tokens
         for n in self.orders:
-            if len(tokens) <= n:
+            if len(seq) <= n:
                 continue
-            start = self.maps[n].get(tuple(tokens[-n:]))
+            start = self.maps[n].get(tuple(seq[-n:]))
             if start is not None:
-                return Proposal(_continue(tokens, start, limit), CONTEXT, n)
+                return Proposal(_continue(seq, start, limit), CONTEXT, n)
         return None
 
 
