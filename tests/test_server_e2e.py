@@ -11,9 +11,11 @@ import time
 
 import pytest
 
+
 from eagle_serve.client import grpc_generate, http_generate, http_generate_stream, metrics
 from eagle_serve.requests import SamplingParams
 from eagle_serve.local import build_local_engine
+from eagle_serve.lookup import SOURCES
 from eagle_serve.tokenization import encode_prompt
 from server import tiny_server  # the tiny_models fixture lives in conftest.py
 
@@ -62,6 +64,27 @@ def test_default_model_answers_over_grpc_stream_http_generate_and_generate_strea
     sse = http_generate_stream(server.http_url, "What is the capital of France?", max_tokens=24,
                                stream=True, num_speculative_tokens=4)
     assert sse.error is None and sse.text == streamed.text and sse.num_responses > 2
+
+
+def test_the_default_server_drafts_from_the_head_its_context_and_its_corpus_and_counts_each(
+        triton_server):
+    server = triton_server("default")
+    prompt = "Write 'red, green, blue' four times, one per line."
+    plain = grpc_generate(server.grpc_url, prompt, max_tokens=48, num_speculative_tokens=0)
+    hybrid = grpc_generate(server.grpc_url, prompt, max_tokens=48)
+    head_only = grpc_generate(server.grpc_url, prompt, max_tokens=48, context_lookup=False,
+                              corpus_lookup=False)
+    assert plain.error is None and hybrid.output_ids == head_only.output_ids == plain.output_ids
+
+    def counted():
+        m = metrics(server.metrics_url)
+        by = {stat: {s: m.get(f'eagle_spec_decode_{stat}_by_source_total{{source="{s}"}}', 0)
+                     for s in SOURCES} for stat in ("draft_tokens", "accepted_tokens")}
+        return (sum(by["accepted_tokens"].values()) == m["eagle_spec_decode_accepted_tokens_total"]
+                and sum(by["draft_tokens"].values()) == m["eagle_spec_decode_draft_tokens_total"]
+                and by["accepted_tokens"]["context"] > 0 and by["draft_tokens"]["corpus"] > 0)
+    assert wait_for(counted)
+    assert hybrid.acceptance_length > head_only.acceptance_length
 
 
 @pytest.mark.parametrize("head", ["eagle3", "eagle1"])

@@ -19,6 +19,7 @@ PARAMS = {
     "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32), "seed": ("UINT64", np.uint64),
     "num_speculative_tokens": ("INT32", np.int32), "draft_topk": ("INT32", np.int32),
     "draft_depth": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_),
+    "context_lookup": ("BOOL", np.bool_), "corpus_lookup": ("BOOL", np.bool_),
     "stream": ("BOOL", np.bool_), "apply_chat_template": ("BOOL", np.bool_),
     "min_tokens": ("INT32", np.int32),
 }

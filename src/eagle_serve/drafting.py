@@ -3,8 +3,11 @@
 `DraftPolicy` is the one home of the rules: a request's tree shape (draft_topk x draft_depth,
 k nodes; sampled requests and k = 0 draft chains), what a round may draft (depth clamped to the
 tokens the request may still emit; a chain of the tree's depth when more than `max_tree_batch`
-requests run), and the confidence limits on greedy drafts. The drafter only executes the shapes
-it is sent, row by row; verification and acceptance do not depend on the policy.
+requests run), the confidence limits on greedy drafts, and the model-free sources: a greedy
+request's tree also gets the continuations looked up in its own tokens and in the corpus of the
+target's answers (eagle_serve.lookup) as extra branches, merged where they agree with the head's.
+The drafter only executes the shapes it is sent, row by row; verification and acceptance do not
+depend on the policy, so whatever is drafted, the output is the target's.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 
 from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch
 from eagle_serve.kv_pages import PagePool
+from eagle_serve.lookup import ContextIndex, CorpusIndex, Proposal
 from eagle_serve.requests import Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.verify import DraftWork, block_tables, int_tensor, row_sampling
@@ -36,9 +40,15 @@ class RoundShape:
     expand_prob: float    # draft a level deeper only under a draft this likely (0 = off)
 
 
+# A corpus continuation is proposed while the product of its steps' empirical shares stays at
+# least this; a context match needs at least CONTEXT_MIN_MATCH tokens.
+CORPUS_MIN_PROB = 0.2
+CONTEXT_MIN_MATCH = 2
+
+
 class DraftPolicy:
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, config: EngineConfig, corpus: CorpusIndex | None = None):
+        self.config, self.corpus = config, corpus
 
     def default_k(self, params: SamplingParams, has_drafter: bool) -> int:
         if not has_drafter:
@@ -56,17 +66,53 @@ class DraftPolicy:
         depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
         return topk, min(depth or k, k)
 
+    def setup_lookup(self, req: Request) -> None:
+        """Greedy speculative requests get lookup branches (each source: at most lookup_tokens
+        drafts beyond the head's k)."""
+        p, n = req.params, self.config.lookup_tokens
+        if not (req.greedy and req.k and n):
+            return
+        sources = int(p.context_lookup) + int(p.corpus_lookup and self.corpus is not None)
+        req.lookup_budget = sources * n
+        if p.context_lookup:
+            req.context = ContextIndex(min_n=CONTEXT_MIN_MATCH)
+
+    def lookups(self, req: Request, left: int, batch_size: int, head_path: list[int] = ()
+                ) -> list[Proposal]:
+        """The request's lookup branches this round: continuations of its tokens, and of its
+        tokens + the head's most likely path (so a confident head's path goes deeper), each
+        source at most lookup_tokens long, every branch at most `left` deep (longest first)."""
+        cfg = self.config
+        depth = min(left, cfg.max_speculative_tokens)
+        if not req.lookup_budget or depth <= 0 or not self._trees_allowed(batch_size):
+            return []
+        found = []
+        for prefix in ([], list(head_path))[:1 + bool(head_path)]:
+            limit = min(cfg.lookup_tokens, depth - len(prefix))
+            if limit <= 0:
+                continue
+            proposed = []
+            if req.context is not None:
+                proposed.append(req.context.propose(req.tokens, limit, after=prefix))
+            if req.params.corpus_lookup and self.corpus is not None:
+                proposed.append(self.corpus.propose(req.tokens[-self.corpus.max_n:] + prefix,
+                                                    limit, CORPUS_MIN_PROB))
+            found += [Proposal(prefix + p.tokens, p.source, p.match) for p in proposed if p]
+        return sorted(found, key=lambda p: -len(p.tokens))
+
+    def _trees_allowed(self, batch_size: int) -> bool:
+        limit = self.config.max_tree_batch
+        return limit == 0 or batch_size <= limit
+
     def round_shape(self, req: Request, left: int, batch_size: int) -> RoundShape:
         """`left` = tokens the request may still add after the next one. A tree of depth D
         scores tree_capacity(topk, D) candidates and keeps the best min(k, that); depth is
         clamped to `left` (a chain: k too). With more than max_tree_batch requests running, a
         tree request drafts a chain of its depth."""
         cfg = self.config
-        limit = cfg.max_tree_batch
-        trees_allowed = limit == 0 or batch_size <= limit
         depth = max(0, min(req.depth, left))
         pruning = (cfg.draft_min_prob, cfg.draft_expand_prob) if req.greedy else (0.0, 0.0)
-        if req.topk > 1 and depth > 0 and trees_allowed:
+        if req.topk > 1 and depth > 0 and self._trees_allowed(batch_size):
             return RoundShape(min(req.k, tree_capacity(req.topk, depth)), req.topk, depth, *pruning)
         return RoundShape(depth, 1, depth, *pruning)
 
@@ -76,13 +122,14 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
     """One drafter call: catch up on each request's newly verified positions and draft its next
     round; the drafts (and sampled requests' draft probabilities) go into the request."""
     cfg = policy.config
-    ids, positions, cu, seq_lens, slots, shapes = [], [], [0], [], [], []
+    ids, positions, cu, seq_lens, slots, shapes, lefts = [], [], [0], [], [], [], []
     for w in work:
         req = w.req
         start, end = req.draft_computed, req.num_computed
         assert w.features.shape[0] == end - start, "drafter fell behind the target"
         left = min(req.params.max_tokens - len(req.output) - 1, cfg.max_model_len - len(req.tokens))
         shapes.append(policy.round_shape(req, left, batch_size))
+        lefts.append(left)
         ids += req.tokens[start + 1:end + 1]
         positions += range(start, end)
         slots += [pool.slot(req.drafter_pages, p) for p in range(start, end)]
@@ -106,6 +153,10 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         drafts = drafts[:drafts.index(-1)] if -1 in drafts else drafts  # fewer nodes
         parents = (out.parents[i, :len(drafts)].tolist() if out.parents is not None
                    else list(range(-1, len(drafts) - 1)))
+        sources = ["eagle"] * len(drafts)
+        budget = req.lookup_budget
+        for branch in policy.lookups(req, lefts[i], batch_size, first_path(drafts, parents)):
+            budget -= merge_branch(drafts, parents, sources, branch, budget)
         slots = workspace.alloc(len(drafts))
         if not req.greedy:
             q = out.probs[prob_row:prob_row + len(drafts)]
@@ -113,4 +164,32 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
             if slots is not None:
                 workspace.store(slots, q)
         if slots is not None:  # no free slots: this round verifies no drafts
-            req.drafts, req.draft_slots, req.parents = drafts, slots, parents
+            req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
+
+
+def first_path(drafts: list[int], parents: list[int]) -> list[int]:
+    """The tokens along the first child of each node from the root (the head's most likely
+    path: it orders children best first)."""
+    path, node = [], -1
+    while (child := next((i for i, p in enumerate(parents) if p == node), None)) is not None:
+        path.append(drafts[child])
+        node = child
+    return path
+
+
+def merge_branch(drafts: list[int], parents: list[int], sources: list[str], branch: Proposal,
+                 budget: int) -> int:
+    """Add a chain of tokens under the root of a draft tree, reusing the nodes that already
+    hold its prefix (parents stay before children). -> nodes added (at most budget)."""
+    added, node = 0, -1
+    for token in branch.tokens:
+        child = next((i for i, (d, p) in enumerate(zip(drafts, parents)) if p == node and d == token), None)
+        if child is None:
+            if added == budget:
+                break
+            drafts.append(token)
+            parents.append(node)
+            sources.append(branch.source)
+            child, added = len(drafts) - 1, added + 1
+        node = child
+    return added

@@ -33,6 +33,7 @@ import torch
 
 from eagle_serve import verify
 from eagle_serve.drafting import DraftPolicy, propose_drafts
+from eagle_serve.lookup import CorpusIndex
 from eagle_serve.interfaces import DrafterRunner, KVLost, ModelUnavailable, TargetRunner
 from eagle_serve.requests import Completion, Request, RequestOutput, SamplingParams
 from eagle_serve.scheduler import Scheduler
@@ -50,7 +51,7 @@ class EngineBusy(RuntimeError):
 
 class Engine:
     def __init__(self, target: TargetRunner, drafter: DrafterRunner | None, config: EngineConfig,
-                 tokenizer=None, device="cpu"):
+                 tokenizer=None, device="cpu", corpus: CorpusIndex | None = None):
         config.validate()
         self.target, self.drafter, self.config, self.tokenizer = target, drafter, config, tokenizer
         self.device = torch.device(device)
@@ -58,7 +59,7 @@ class Engine:
         self.stats = EngineStats(accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max)
         self.workspace = DraftWorkspace(config.num_draft_slots, target.vocab_size, device=device)
         self.scheduler = Scheduler(config, self.workspace, self.stats)
-        self.policy = DraftPolicy(config)
+        self.policy = DraftPolicy(config, corpus)
         self._inbox: deque = deque()
         self._lock = threading.Lock()
         self._arrivals = itertools.count()
@@ -104,6 +105,7 @@ class Engine:
         req = Request(request_id if request_id is not None else f"req-{next(self._ids)}",
                       len(prompt_ids), params, k, seed % (1 << 63), stop, list(prompt_ids))
         req.topk, req.depth = self.policy.request_shape(params, k)
+        self.policy.setup_lookup(req)
         self.scheduler.can_ever_hold(req, total)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= cfg.max_waiting:

@@ -9,16 +9,19 @@ from transformers import AutoTokenizer
 
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.engine import Engine
+from eagle_serve.lookup import load_corpus_index
 from eagle_serve.target import TargetModel
-from eagle_serve.settings import EngineConfig, ServingSettings, torch_dtype
+from eagle_serve.settings import CORPUS_INDEX_FILE, EngineConfig, ServingSettings, torch_dtype
 from eagle_serve.tokenization import eos_token_ids
 
 
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *,
                        dtype: torch.dtype | str = "auto", device="cpu",
-                       config: EngineConfig | None = None, **overrides) -> Engine:
+                       config: EngineConfig | None = None, corpus: str | Path | None = "default",
+                      **overrides) -> Engine:
     """Target (and drafter, if given) in this process, caches sized from the engine config.
     config: default the served one (ServingSettings' defaults, the target's EOS ids);
+    corpus: the lookup corpus index ("default": the drafter's, if it has one; None: none);
     overrides: EngineConfig fields to replace."""
     dtype = torch_dtype(dtype, torch.device(device).type == "cuda") if isinstance(dtype, str) else dtype
     config = config or EngineConfig.from_settings(ServingSettings(), eos_token_ids(target_dir))
@@ -31,4 +34,8 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
                          page_size=config.page_size,
                          feature_layers=drafter.feature_layers if drafter else None)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    return Engine(target, drafter, config, tokenizer, device=device)
+    if corpus == "default":
+        corpus = drafter_dir and Path(drafter_dir) / CORPUS_INDEX_FILE
+        corpus = corpus if corpus and corpus.exists() else None
+    return Engine(target, drafter, config, tokenizer, device=device,
+                  corpus=load_corpus_index(Path(corpus), tokenizer) if corpus else None)

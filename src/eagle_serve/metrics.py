@@ -13,6 +13,7 @@ length counts every round, see requests.acceptance_length).
 from __future__ import annotations
 
 from eagle_serve.engine import Engine
+from eagle_serve.lookup import SOURCES
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 REQUEST_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
@@ -76,6 +77,15 @@ class EngineMetrics:
         self.per_position = [_Each(per_pos.Metric(labels={"position": str(j + 1)}),
                                    per_pos_vllm.Metric(labels={**vllm, "position": str(j)}))
                              for j in range(max_positions)]
+        by_source = {name: family(name, description + " by draft source (eagle: the head; context, "
+                                  "corpus: lookups)", fam.COUNTER)
+                     for name, description in (
+                         ("eagle_spec_decode_draft_tokens_by_source_total", "Draft tokens verified"),
+                         ("eagle_spec_decode_accepted_tokens_by_source_total", "Draft tokens accepted"))}
+        self.by_source = {
+            (stat, source): family_.Metric(labels={"source": source})
+            for stat, family_ in zip(("draft_tokens_by_source", "accepted_tokens_by_source"), by_source.values())
+            for source in SOURCES}
         self.acceptance_length = metric(
             "eagle_spec_decode_mean_acceptance_length", "Mean acceptance length since start: "
             "1 + accepted draft tokens / drafts (0 before the first draft)", fam.GAUGE)
@@ -110,6 +120,7 @@ class EngineMetrics:
                                buckets=REQUEST_BUCKETS)
         self._seen = dict.fromkeys(self.counters, 0)
         self._seen_positions = [0] * max_positions
+        self._seen_by_source = dict.fromkeys(self.by_source, 0)
 
     def update(self, engine: Engine) -> None:
         """Counters and gauges from the engine's state (the engine thread, each round)."""
@@ -122,6 +133,11 @@ class EngineMetrics:
             if total > self._seen_positions[j]:
                 self.per_position[j].increment(total - self._seen_positions[j])
                 self._seen_positions[j] = total
+        for (stat, source), counter in self.by_source.items():
+            total = getattr(s, stat)[source]
+            if total > self._seen_by_source[stat, source]:
+                counter.increment(total - self._seen_by_source[stat, source])
+                self._seen_by_source[stat, source] = total
         self.acceptance_length.set(1 + s.accepted_tokens / s.drafts if s.drafts else 0.0)
         while s.queue_times:
             self.queue_time.observe(s.queue_times.popleft())

@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from eagle_serve.lookup import ContextIndex
 from eagle_serve.settings import EngineConfig
 from eagle_serve.stopping import StopChecker
 
@@ -28,6 +29,8 @@ class SamplingParams:
     ignore_eos: bool = False
     draft_topk: int | None = None     # children per tree node; None = the engine's; 1 = chain
     draft_depth: int | None = None    # tree levels; None = the engine's
+    context_lookup: bool = True       # greedy drafts may add branches looked up in the request's
+    corpus_lookup: bool = True        # own tokens / in the corpus of the target's answers
     min_tokens: int = 0               # no EOS and no stop string ends the output before this
     #                                   many tokens (EOS is masked in the target's logits)
 
@@ -99,6 +102,9 @@ class Request:
     kv_moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) target positions,
     #                                 applied by the next forward (the accepted tree path)
     draft_slots: list[int] = field(default_factory=list)
+    draft_sources: list[str] = field(default_factory=list)  # of each draft (lookup.SOURCES)
+    lookup_budget: int = 0          # drafts lookup sources may add to the k of the head
+    context: ContextIndex | None = None  # the request's own tokens, for context lookup
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
     num_sent: int = 0               # output tokens handed out
@@ -135,6 +141,9 @@ class Request:
     def is_tree(self) -> bool:
         """Drafts that are not a chain (-1, 0, 1, ...)."""
         return any(p != j - 1 for j, p in enumerate(self.parents))
+
+    def clear_drafts(self) -> None:
+        self.drafts, self.draft_slots, self.parents, self.draft_sources = [], [], [], []
 
     def drafter_scratch(self) -> int:
         """Drafter positions past the verified ones that one drafting round may write."""

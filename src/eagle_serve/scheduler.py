@@ -65,7 +65,7 @@ class Scheduler:
 
     def can_ever_hold(self, req: Request, total_tokens: int) -> None:
         """ValueError if the request could not fit even an empty cache."""
-        need = [(self.target_pool, total_tokens + req.k + 1)]
+        need = [(self.target_pool, total_tokens + req.k + req.lookup_budget + 1)]
         if req.k:
             need.append((self.drafter_pool, total_tokens + req.drafter_scratch() + 1))
         if not all(pool.can_hold(n) for pool, n in need):
@@ -99,7 +99,7 @@ class Scheduler:
         self.target_pool.release(req.target_pages)
         self.drafter_pool.release(req.drafter_pages)
         self.workspace.free(req.draft_slots)
-        req.drafts, req.draft_slots, req.parents = [], [], []
+        req.clear_drafts()
         req.kv_moves = []  # with the pages gone, those positions are recomputed
 
     def retire(self, req: Request) -> None:

@@ -139,6 +139,8 @@ def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bo
         draft_depth=None if depth is None else int(depth),
         stop=tuple(stop or ()),
         ignore_eos=bool(tu.scalar(request, "ignore_eos", False)),
+        context_lookup=bool(tu.scalar(request, "context_lookup", True)),
+        corpus_lookup=bool(tu.scalar(request, "corpus_lookup", True)),
         min_tokens=int(aliased(request, "min_tokens", tu.scalar) or 0))
     return params, bool(tu.scalar(request, "stream", False))
 

@@ -18,6 +18,9 @@ from eagle_serve import paths
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 
 
+CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
+
+
 @dataclass(frozen=True)
 class ServingSettings:
     target_model: str = "default"              # HF folder; "default" = SmolLM2-135M-Instruct
@@ -41,6 +44,10 @@ class ServingSettings:
     draft_min_prob: float = 0.05               # greedy drafts below this path probability are not
     #                                            verified (the first always is); 0 = off
     draft_expand_prob: float = 0.5             # draft deeper only while a draft reaches this; 0 = off
+    lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
+    #                                            draft tree (0 = no lookup drafts)
+    lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
+    #                                            corpus-index.npz if it has one; "none" = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
     apply_chat_template: bool = True           # what a text_input request without that input
     #                                            gets (false: callers that template themselves)
@@ -84,6 +91,15 @@ class ServingSettings:
             return target, None
         return target, paths.resolve_model_path(self.drafter_model, repo_dir)
 
+    def corpus_index_path(self, repo_dir: Path, drafter_dir: Path | None) -> Path | None:
+        """The lookup corpus index to load, if any."""
+        if self.lookup_corpus in ("", "none") or drafter_dir is None or self.lookup_tokens == 0:
+            return None
+        if self.lookup_corpus == "default":
+            path = Path(drafter_dir) / CORPUS_INDEX_FILE
+            return path if path.exists() else None
+        return paths.resolve_model_path(self.lookup_corpus, repo_dir)
+
     def torch_dtype(self, on_gpu: bool):
         return torch_dtype(self.dtype, on_gpu)
 
@@ -118,6 +134,7 @@ class EngineConfig:
     max_tree_batch: int
     draft_min_prob: float
     draft_expand_prob: float
+    lookup_tokens: int
     max_stop_strings: int
     max_stop_bytes: int
     request_timeout_s: float
@@ -142,6 +159,9 @@ class EngineConfig:
                              f"got {self.draft_depth}")
         if self.max_tree_batch < 0:
             raise ValueError(f"max_tree_batch must be >= 0 (0 = no limit), got {self.max_tree_batch}")
+        if not 0 <= self.lookup_tokens <= self.max_speculative_tokens:
+            raise ValueError(f"lookup_tokens must be in [0, {self.max_speculative_tokens}], "
+                             f"got {self.lookup_tokens}")
         for name in ("draft_min_prob", "draft_expand_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")

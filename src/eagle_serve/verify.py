@@ -21,6 +21,7 @@ import torch
 from eagle_serve.interfaces import (RaggedBatch, RowSampling, TargetOutput, TokenBan, ancestor_mask,
                                     tree_depths)
 from eagle_serve.kv_pages import PagePool
+from eagle_serve.lookup import SOURCES
 from eagle_serve.requests import Request
 from eagle_serve.workspace import DraftWorkspace
 from kernels.rejection import greedy_accept, greedy_tree_accept, random_accept
@@ -38,6 +39,8 @@ class EngineStats:
     #                                   first path
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    draft_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    accepted_tokens_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     queue_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # seconds
     #                                   from arrival to first admission, of the requests admitted
     #                                   since a reader (the metrics) last took them
@@ -212,14 +215,14 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
         verdict = verdicts.get(req.id)
         path = verdict.path if verdict else []
         if verdict is not None:
-            _count_round(req, len(path), stats)
+            _count_round(req, path, stats)
             req.append(verdict.tokens, eos_token_ids)
         base = req.num_computed + r.num_real  # position of draft node 0
         req.num_computed = base + len(path)
         req.kv_moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
         stats.kv_moves += len(req.kv_moves)
         workspace.free(req.draft_slots)
-        req.drafts, req.draft_slots, req.parents = [], [], []
+        req.clear_drafts()
         keep = max([req.num_computed] + [a + 1 for a, _ in req.kv_moves])
         pool.shrink(req.target_pages, keep)
         if req.k and not req.finish_reason:
@@ -229,8 +232,14 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
     return work
 
 
-def _count_round(req: Request, accepted: int, stats: EngineStats) -> None:
-    """accepted = length of the accepted path; per-position counters count by depth."""
+def _count_round(req: Request, path: list[int], stats: EngineStats) -> None:
+    """path = the accepted draft nodes; per-position counters count by depth, per-source
+    counters by the source that proposed each node."""
+    accepted = len(path)
+    for source in req.draft_sources:
+        stats.draft_tokens_by_source[source] += 1
+    for node in path:
+        stats.accepted_tokens_by_source[req.draft_sources[node]] += 1
     offered = max(tree_depths(req.parents), default=0)  # deepest draft (a chain: k)
     req.num_rounds += 1
     req.num_draft_tokens += len(req.drafts)

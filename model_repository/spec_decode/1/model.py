@@ -8,6 +8,7 @@ from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
 from eagle_serve.bls import BlsDrafter, BlsTarget
 from eagle_serve.engine import Engine
+from eagle_serve.lookup import load_corpus_index
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.service import SpecDecodeService
 from eagle_serve.settings import EngineConfig, ServingSettings
@@ -29,8 +30,11 @@ class TritonPythonModel:
         bls = dict(key=internal_key.server_key(), timeout_s=settings.model_call_timeout_s)
         target = BlsTarget(pb_utils, vocab, device, **bls)
         drafter = BlsDrafter(pb_utils, vocab, device, **bls) if drafter_dir is not None else None
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        corpus = settings.corpus_index_path(tu.repository_dir(args), drafter_dir)
         engine = Engine(target, drafter, EngineConfig.from_settings(settings, eos_token_ids(target_dir)),
-                        tokenizer=AutoTokenizer.from_pretrained(str(target_dir)), device=device)
+                        tokenizer=tokenizer, device=device,
+                        corpus=load_corpus_index(corpus, tokenizer) if corpus else None)
         log_warmup("spec_decode", warm_engine(engine))  # GPU kernels compiled before any request
         metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens, model_name=target_dir.name)
         self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes,

@@ -65,6 +65,8 @@ class SamplingRequest(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0)
     draft_topk: int | None = Field(None, ge=1)
     draft_depth: int | None = Field(None, ge=1)
+    context_lookup: bool | None = None
+    corpus_lookup: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -85,7 +87,8 @@ class SamplingRequest(BaseModel):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=None if self.seed is None else self.seed % 2 ** 64,
             num_speculative_tokens=self.num_speculative_tokens, draft_topk=self.draft_topk,
-            draft_depth=self.draft_depth, ignore_eos=self.ignore_eos, stop=stop)
+            draft_depth=self.draft_depth, ignore_eos=self.ignore_eos, stop=stop,
+            context_lookup=self.context_lookup, corpus_lookup=self.corpus_lookup)
 
 
 class TextPart(BaseModel):
@@ -132,6 +135,8 @@ class GenerateParams:
     draft_depth: int | None = None
     ignore_eos: bool | None = None
     stop: list[str] = ()
+    context_lookup: bool | None = None
+    corpus_lookup: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,179 @@
+"""Lookup draft sources (eagle_serve.lookup) and draft trees that mix them with the head's."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from transformers import AutoTokenizer
+
+from eagle_serve.drafting import merge_branch
+from eagle_serve.lookup import (CONTEXT, CORPUS, ContextIndex, CorpusIndex, CorpusRecord, Proposal,
+                                check_corpus_tokenizer, load_corpus_index, tokenizer_fingerprint)
+from eagle_serve.requests import SamplingParams
+from eagle_serve.testing import tiny_engine
+
+MAX_TOKENS = 40
+
+
+def brute_force_context(tokens: list[int], limit: int, min_n=2, max_n=8) -> list[int] | None:
+    """The longest suffix (max_n .. min_n) that occurred earlier with a follower; its latest
+    such occurrence; what followed, continued periodically past the end."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        ends = [j for j in range(n, len(tokens)) if tokens[j - n:j] == tokens[-n:]]
+        if ends:
+            seq = list(tokens)
+            start = max(ends)
+            while len(seq) < start + limit:
+                seq.append(seq[len(seq) - (len(tokens) - start)])
+            return seq[start:start + limit]
+    return None
+
+
+def test_context_lookup_equals_a_brute_force_search_on_random_streams_grown_in_random_steps():
+    rng = random.Random(7)
+    for trial in range(60):
+        vocab = rng.choice([2, 3, 5, 20])
+        index, tokens = ContextIndex(), [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        while len(tokens) < 80:
+            limit = rng.randrange(1, 7)
+            got = index.propose(tokens, limit)
+            expected = brute_force_context(tokens, limit)
+            assert (got.tokens if got else None) == expected, (trial, tokens)
+            if got:
+                assert got.source == CONTEXT and got.match >= 2
+            tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+
+
+def test_a_repetition_loop_is_continued_past_the_end_of_the_stream():
+    assert ContextIndex().propose([9, 1, 2, 1, 2, 1, 2], 5).tokens == [1, 2, 1, 2, 1]
+
+
+def corpus_counts(sequences, n):
+    counts: dict[tuple, Counter] = {}
+    for prompt, answer in sequences:
+        seq = prompt + answer
+        for t in range(max(len(prompt), n), len(seq)):
+            counts.setdefault(tuple(seq[t - n:t]), Counter())[seq[t]] += 1
+    return counts
+
+
+def test_the_corpus_table_holds_each_contexts_most_frequent_next_token_and_its_share():
+    rng = random.Random(3)
+    sequences = [([rng.randrange(6) for _ in range(rng.randrange(0, 4))],
+                  [rng.randrange(6) for _ in range(rng.randrange(1, 30))]) for _ in range(200)]
+    index = CorpusIndex.build(sequences, vocab_size=6, fingerprint="x", max_n=3, min_count=2)
+    for n in (1, 2, 3):
+        counts = corpus_counts(sequences, n)
+        kept = {ctx: c for ctx, c in counts.items() if c.most_common(1)[0][1] >= 2}
+        assert len(index.tables[n].keys) == len(kept)
+        for ctx, c in kept.items():
+            found = index._lookup(list(ctx))
+            top = c.most_common(1)[0][1]
+            assert found[0] == n and c[found[1]] == top
+            assert found[2] == pytest.approx(top / sum(c.values()))
+
+
+def test_a_corpus_walk_follows_the_longest_known_context_while_its_probability_holds():
+    sequences = [([], [1, 2, 3, 4, 5])] * 3 + [([], [2, 3, 9])]
+    index = CorpusIndex.build(sequences, vocab_size=16, fingerprint="x")
+    assert index.propose([7, 1, 2], 4, min_prob=0.5) == Proposal([3, 4, 5], CORPUS, 2)
+    # after (2, 3) comes 4 three times in four: below 0.8 the walk stops before it
+    assert index.propose([8, 2, 3], 4, min_prob=0.8) is None
+    assert index.propose([8, 2, 3], 4, min_prob=0.7).tokens == [4, 5]
+
+
+def test_the_corpus_index_refuses_a_tokenizer_it_was_not_built_with(tmp_path, tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target))
+    index = CorpusIndex.build([([1], [2, 3, 2, 3])], len(tokenizer), "0123456789abcdef")
+    index.save(tmp_path / "corpus-index.npz")
+    with pytest.raises(ValueError, match="built with another tokenizer"):
+        load_corpus_index(tmp_path / "corpus-index.npz", tokenizer)
+    index.fingerprint = tokenizer_fingerprint(tokenizer)
+    index.save(tmp_path / "corpus-index.npz")
+    assert load_corpus_index(tmp_path / "corpus-index.npz", tokenizer).tables.keys() == {1, 2, 3}
+
+
+def test_a_corpus_tokenized_with_another_vocabulary_is_refused(tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target))
+    texts = ["The quick brown fox jumps over the lazy dog.", "One, two, three: four five six."]
+    good = [CorpusRecord(t, [1] + tokenizer.encode(t, add_special_tokens=False) + [2], [5, 6])
+            for t in texts]
+    check_corpus_tokenizer(good, tokenizer)
+    other = [replace(r, prompt_ids=[(i * 7919 + 11) % len(tokenizer) for i in r.prompt_ids])
+             for r in good]
+    with pytest.raises(ValueError, match="built with another tokenizer"):
+        check_corpus_tokenizer(other, tokenizer)
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        check_corpus_tokenizer([replace(good[0], output_ids=[len(tokenizer)])], tokenizer)
+
+
+def test_a_branch_shares_the_nodes_that_hold_its_prefix_and_respects_the_budget():
+    drafts, parents, sources = [5, 6, 7], [-1, -1, 0], ["eagle"] * 3   # 5 -> 7, and 6
+    assert merge_branch(drafts, parents, sources, Proposal([5, 7, 8, 9], CONTEXT, 3), 1) == 1
+    assert (drafts, parents, sources) == ([5, 6, 7, 8], [-1, -1, 0, 2], ["eagle"] * 3 + [CONTEXT])
+    assert merge_branch(drafts, parents, sources, Proposal([4, 1], CORPUS, 2), 5) == 2
+    assert parents[-2:] == [-1, 4] and sources[-2:] == [CORPUS, CORPUS]
+
+
+@pytest.fixture(scope="module")
+def looping_prompts(prompts):
+    """Prompts that repeat themselves, so context lookups fire from the first round."""
+    return [p[:6] * 3 for p in prompts[:4]] + prompts[4:]
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_trees_mixing_head_context_and_corpus_branches_equal_hf_generate(
+        tmp_path, tiny_target, eagle3_head, looping_prompts, hf_greedy, topk):
+    expected = [hf_greedy(p, MAX_TOKENS) for p in looping_prompts]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target))
+    corpus = CorpusIndex.build(list(zip(looping_prompts[::2], expected[::2])), len(tokenizer),
+                               tokenizer_fingerprint(tokenizer))
+    corpus.save(tmp_path / "corpus.npz")
+    engine = tiny_engine(tiny_target, eagle3_head, max_running=4, lookup_tokens=6,
+                         corpus=tmp_path / "corpus.npz")
+    params = SamplingParams(max_tokens=MAX_TOKENS, draft_topk=topk, draft_depth=3)
+    assert [r.token_ids for r in engine.generate(looping_prompts, params)] == expected
+    accepted = engine.stats.accepted_tokens_by_source
+    assert accepted[CONTEXT] > 0 and accepted[CORPUS] > 0 and engine.stats.kv_moves > 0
+    assert engine.idle_counts() == {"target_pages_free": 256, "drafter_pages_free": 256,
+                                    "draft_slots_free": 128}
+
+
+def test_a_request_whose_lookups_propose_nothing_drafts_exactly_the_heads_tree(
+        tiny_target, eagle3_head, prompts, monkeypatch):
+    params = SamplingParams(max_tokens=MAX_TOKENS, draft_topk=4, draft_depth=3)
+    plain = tiny_engine(tiny_target, eagle3_head, lookup_tokens=0)
+    looked = tiny_engine(tiny_target, eagle3_head, lookup_tokens=6)
+    monkeypatch.setattr(looked.policy, "lookups", lambda *args: [])
+    assert looked.generate(prompts[:3], params) == plain.generate(prompts[:3], params)
+    assert replace(looked.stats, queue_times=None) == replace(plain.stats, queue_times=None)
+
+
+def test_sampled_requests_and_requests_that_switch_lookups_off_draft_from_the_head_alone(
+        tiny_target, eagle3_head, looping_prompts, hf_greedy):
+    engine = tiny_engine(tiny_target, eagle3_head, lookup_tokens=6)
+    engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS, context_lookup=False))
+    engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1))
+    assert engine.stats.draft_tokens_by_source[CONTEXT] == 0
+    engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS))
+    assert engine.stats.draft_tokens_by_source[CONTEXT] > 0
+
+
+def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
+    from eagle_serve.drafting import DraftPolicy, first_path
+    from eagle_serve.requests import Request
+    from eagle_serve.settings import EngineConfig
+
+    policy = DraftPolicy(EngineConfig.served(lookup_tokens=3))
+    req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[7, 1, 2, 3, 4, 5, 9, 1])
+    policy.setup_lookup(req)
+    drafts, parents = [2, 6, 3, 8], [-1, -1, 0, 2]       # first path 2 -> 3 -> 8
+    assert first_path(drafts, parents) == [2, 3, 8]
+    assert policy.lookups(req, left=10, batch_size=1) == []     # (9, 1) never occurred before
+    assert policy.lookups(req, left=10, batch_size=1, head_path=[2, 3]) == [
+        Proposal([2, 3, 4, 5, 9], CONTEXT, 3)]
+    assert policy.lookups(req, left=4, batch_size=1, head_path=[2, 3])[0].tokens == [2, 3, 4, 5]
