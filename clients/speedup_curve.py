@@ -3,26 +3,37 @@
     python clients/speedup_curve.py --prompts clients/prompts/heldout.jsonl --max-tokens 64 \\
         --configs 0 1 2 3 4 6 4x2x3 --json out/curve.json --plot out/curve.png
 
-A config is `K` (a chain of K drafts; 0 = plain decoding) or `KxTOPKxDEPTH` (a dynamic draft
-tree: K nodes verified per round, TOPK children per node, DEPTH levels). bs 1, greedy: the
-prompts are sent one at a time, each prompt through every config in turn (round-robin), so
-slow drift of the machine hits every config alike. Tokens/s per config = all its tokens over
-all its request latencies; speedup = that over config 0's; tau = tokens per verify round.
+A config is `K` (a chain of K drafts; 0 = plain decoding), `KxTOPKxDEPTH` (a dynamic draft
+tree: K nodes verified per round, TOPK children per node, DEPTH levels), `default` (the
+server's defaults) or `head` (the defaults with the lookup draft sources off). The prompts go
+in groups of `--concurrency` (1: one at a time), each group through every config in turn
+(round-robin), so slow drift of the machine hits every config alike. Tokens/s per config = its
+tokens over its request latencies (groups: their wall time); speedup = that over the first
+config's; tau = tokens per verify round; greedy outputs are checked against the first config's.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as futures
 import json
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eagle_serve.client import grpc_generate  # noqa: E402
+from eagle_serve.client import grpc_generate, metrics  # noqa: E402
+from eagle_serve.lookup import SOURCES  # noqa: E402
+
+
+NAMED = {"default": {},                                              # the server's defaults
+         "head": {"context_lookup": False, "corpus_lookup": False}}  # ... drafting from the head alone
 
 
 def parse_config(text: str) -> dict:
+    if text in NAMED:
+        return NAMED[text]
     parts = [int(x) for x in text.split("x")]
     if len(parts) == 1:  # a chain whatever the server's default tree shape
         k = parts[0]
@@ -31,21 +42,41 @@ def parse_config(text: str) -> dict:
     return {"num_speculative_tokens": k, "draft_topk": topk, "draft_depth": depth}
 
 
-def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str) -> dict:
-    totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0} for c in configs}
+def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str,
+            concurrency: int = 1, sampling: dict | None = None) -> dict:
+    """Each group of `concurrency` prompts runs through every config in turn (its prompts as
+    concurrent streams); tokens/s = a config's tokens over its groups' wall time."""
+    sampling = sampling or {}
+    totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0,
+                  "same_as_first": 0, "requests": 0} for c in configs}
     for c in configs:  # warm-up, untimed
         grpc_generate(url, prompts[0], model=model, max_tokens=8, **parse_config(c))
-    for prompt in tqdm(prompts, desc="prompts x configs", unit="prompt"):
-        for c in configs:
-            gen = grpc_generate(url, prompt, model=model, max_tokens=max_tokens, **parse_config(c))
-            if gen.error:
-                raise SystemExit(f"{c}: {gen.error}")
-            t = totals[c]
-            t["tokens"] += len(gen.output_ids)
-            t["seconds"] += gen.latency_s
-            t["rounds"] += gen.counters.get("num_rounds", 0)
-            t["accepted"] += gen.counters.get("num_accepted_tokens", 0)
-            t["drafted"] += gen.counters.get("num_draft_tokens", 0)
+    groups = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
+    with futures.ThreadPoolExecutor(concurrency) as pool:
+        for n, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
+            first = None
+            for c in configs:
+                def run(i_prompt):
+                    i, prompt = i_prompt
+                    return grpc_generate(url, prompt, model=model, max_tokens=max_tokens,
+                                         **({"seed": 1000 * n + i} if sampling else {}),
+                                         **sampling, **parse_config(c))
+                start = time.perf_counter()
+                gens = list(pool.map(run, enumerate(group)))
+                wall = time.perf_counter() - start
+                for gen in gens:
+                    if gen.error:
+                        raise SystemExit(f"{c}: {gen.error}")
+                first = first or [g.output_ids for g in gens]
+                t = totals[c]
+                t["seconds"] += wall if concurrency > 1 else gens[0].latency_s
+                t["requests"] += len(gens)
+                t["same_as_first"] += sum(g.output_ids == f for g, f in zip(gens, first))
+                for gen in gens:
+                    t["tokens"] += len(gen.output_ids)
+                    t["rounds"] += gen.counters.get("num_rounds", 0)
+                    t["accepted"] += gen.counters.get("num_accepted_tokens", 0)
+                    t["drafted"] += gen.counters.get("num_draft_tokens", 0)
     base = totals[configs[0]]["tokens"] / totals[configs[0]]["seconds"]
     out = {}
     for c, t in totals.items():
@@ -85,16 +116,38 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="spec_decode", help="ensemble or spec_decode")
     p.add_argument("--json", required=True)
     p.add_argument("--plot")
-    p.add_argument("--title", default="speculative vs plain decoding, bs 1, greedy")
+    p.add_argument("--title")
+    p.add_argument("--concurrency", type=int, default=1, help="concurrent streams per config")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: sampled requests, seeded per prompt (outputs differ by config)")
+    p.add_argument("--metrics-url", help="also report the accepted tokens per draft source "
+                   "(the server's Prometheus counters, before and after)")
     args = p.parse_args(argv)
+    args.title = args.title or (f"speculative vs plain decoding, {args.concurrency} stream(s), "
+                                + (f"temperature {args.temperature}" if args.temperature else "greedy"))
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    results = measure(args.url, prompts, args.configs, args.max_tokens, args.model)
+    before = source_counts(args.metrics_url) if args.metrics_url else None
+    results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
+                      {"temperature": args.temperature} if args.temperature else None)
+    if before is not None:
+        after = source_counts(args.metrics_url)
+        results["accepted_by_source"] = {s: after[s] - before[s] for s in after}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
-    for c, r in results.items():
-        print(f"{c:>10}: {r['tokens_per_s']:6.2f} tok/s  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}")
+    for c in args.configs:
+        r = results[c]
+        print(f"{c:>10}: {r['tokens_per_s']:6.2f} tok/s  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}"
+              f"  output same as {args.configs[0]}: {r['same_as_first']}/{r['requests']}")
+    if before is not None:
+        print("accepted draft tokens by source:", results["accepted_by_source"])
     if args.plot:
-        plot(results, Path(args.plot), args.title)
+        plot({c: results[c] for c in args.configs}, Path(args.plot), args.title)
+
+
+def source_counts(metrics_url: str) -> dict[str, float]:
+    m = metrics(metrics_url)
+    return {s: m.get(f'eagle_spec_decode_accepted_tokens_by_source_total{{source="{s}"}}', 0.0)
+            for s in SOURCES}
 
 
 if __name__ == "__main__":
