@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -38,7 +37,7 @@ from eagle_serve.local import build_local_engine  # noqa: E402
 from eagle_serve.requests import SamplingParams  # noqa: E402
 from eagle_serve.settings import EngineConfig, ServingSettings  # noqa: E402
 from eagle_serve.tokenization import encode_prompt, eos_token_ids, load_tokenizer  # noqa: E402
-from kernels import paged_attention as pa, prepare_inputs as pi, rejection as rj  # noqa: E402
+from kernels import paged_attention as pa, rejection as rj  # noqa: E402
 from kernels import sampling as sm, warmup, workspace as ws  # noqa: E402
 
 PROMPTS = paths.REPO_ROOT / "clients" / "prompts" / "heldout.jsonl"
@@ -140,9 +139,6 @@ def kernel_checks(q_heads, kv_heads, head_dim, vocab, dtype, device) -> dict[str
     ws.scatter_rows_ref(stores[1], slots, rows)
     exact("scatter_rows / gather_rows", [stores[0], ws.gather_rows_triton(stores[0], slots)],
           [stores[1], ws.gather_rows_ref(stores[1], slots)])
-    cu_v, rejected = torch.tensor([0, 4, 5, 9], device=device), torch.tensor([2, 0, 4], device=device)
-    exact("prepare_inputs", pi.prepare_inputs_triton(cu_v, rejected),
-          [t.to(device) for t in pi.prepare_inputs_ref(cu_v.cpu(), rejected.cpu())])
     return out
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_RANDOM_DRAFTER_NAME = "eagle3-random-SmolLM2-135M"
 
 
 def cache_dir() -> Path:
@@ -26,11 +25,8 @@ def default_target_dir() -> Path:
 
 
 def default_drafter_dir() -> Path:
-    """The trained head shipped in the repository if present, else the seeded random one."""
-    shipped = REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct"
-    if (shipped / "config.json").exists():
-        return shipped
-    return models_dir() / DEFAULT_RANDOM_DRAFTER_NAME
+    """The EAGLE-3 head trained for the default target, shipped in the repository."""
+    return REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct"
 
 
 def tritonserver_dir() -> Path:
