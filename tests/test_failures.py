@@ -13,6 +13,7 @@ import pytest
 
 from eagle_serve import paths
 from eagle_serve.client import grpc_generate, http_generate
+from eagle_serve.processes import model_processes
 from eagle_serve.repo_config import copy_repository
 from eagle_serve.serve import server_environment
 from server import free_ports
@@ -54,13 +55,6 @@ def wait_until(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
     return False
 
 
-def stub_of(supervisor: subprocess.Popen, model: str) -> psutil.Process:
-    for proc in psutil.Process(supervisor.pid).children(recursive=True):
-        if f"/{model}/1/model.py" in " ".join(proc.cmdline()):
-            return proc
-    raise AssertionError(f"no stub for {model}")
-
-
 def long_stream(proc, out: dict) -> threading.Thread:
     def run():
         out["result"] = grpc_generate(proc.grpc, "Tell me a long story.", model="spec_decode",
@@ -77,7 +71,7 @@ def test_a_dead_model_process_fails_requests_fast_and_the_server_comes_back(supe
     out: dict = {}
     thread = long_stream(supervised, out)
     killed_at = time.monotonic()
-    stub_of(supervised, model).kill()
+    model_processes(psutil.Process(supervised.pid))[model].kill()
     thread.join(60)
     assert out["at"] - killed_at < 10
     assert out["result"].error is not None and "not healthy" in out["result"].error

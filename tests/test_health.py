@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from eagle_serve import paths
+from eagle_serve.processes import model_processes
 from eagle_serve.repo_config import copy_repository
 from server import free_ports, launch
 
@@ -47,9 +48,7 @@ def test_health_fails_once_a_model_process_is_dead(tmp_path):
     try:
         healthy = health(server.http_port)
         assert healthy.returncode == 0, healthy.stderr
-        stub = next(p for p in psutil.Process(server.process.pid).children(recursive=True)
-                    if "/postprocess/1/model.py" in " ".join(p.cmdline()))
-        stub.kill()
+        model_processes(psutil.Process(server.process.pid))["postprocess"].kill()
         assert wait_until(lambda: health(server.http_port).returncode == 1, 60)
         assert "postprocess" in health(server.http_port).stderr
         print("/v2/health/ready after the stub died:", ready_status(server.http_port))
