@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from eagle_serve import paths
 from eagle_serve.client import grpc_generate, metrics
+from eagle_serve.requests import acceptance_length
 
 SERVER_MODES = ("vanilla", "eagle")
 HF_MODES = ("hf", "hf-lookup")
@@ -60,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the server's)")
     p.add_argument("--target", default=str(paths.default_target_dir()), help="HF folder for hf modes")
     p.add_argument("--dtype", default="auto", help="hf modes: float32|float64|bfloat16|float16|auto "
-                   "(auto = bfloat16 on CUDA, else float32, as the server)")
+                   "(auto = what the server picks: bfloat16 on CUDA and on CPUs with native "
+                   "bfloat16, else float32)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10,
                    help="hf-lookup: prompt_lookup_num_tokens")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per mode first")
@@ -93,11 +95,6 @@ def is_eagle(mode: str) -> bool:
     return mode == "eagle" or mode.startswith("eagle-")
 
 
-def load_prompts(path: str) -> list[str]:
-    with open(path) as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
 @dataclass
 class Run:
     """Requests of one mode at one concurrency."""
@@ -115,7 +112,7 @@ class Run:
         drafts, rounds = self.counters.get("num_draft_tokens", 0), self.counters.get("num_rounds", 0)
         accepted = self.counters.get("num_accepted_tokens", 0)
         out = {"tokens_per_s": self.num_tokens / self.wall_s,
-               "acceptance_length": (accepted + rounds) / rounds if drafts and rounds else None,
+               "acceptance_length": acceptance_length(accepted, rounds) if drafts else None,
                "num_requests": len(self.outputs), "num_output_tokens": self.num_tokens,
                "wall_s": self.wall_s}
         if self.ttft_s:
@@ -222,14 +219,12 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from eagle_serve.local import DTYPES, eos_token_ids
-        from eagle_serve.tokenization import load_tokenizer
+        from eagle_serve.settings import torch_dtype
+        from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device == "cuda" else "float32"
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype, self.device == "cuda"))
         self.model = model.to(self.device).eval()
         self.tokenizer = load_tokenizer(folder)
         self.eos = list(eos_token_ids(folder))
@@ -375,7 +370,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompts = load_prompts(args.prompts)
+    prompts = paths.read_prompts(args.prompts)
     if not prompts:
         raise SystemExit(f"bench: no prompts in {args.prompts}")
     result = bench(args, prompts)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eagle_serve.client import grpc_generate  # noqa: E402
+from eagle_serve.client import grpc_generate
+from eagle_serve.paths import read_prompts
+from eagle_serve.requests import acceptance_length
 
 
 def parse_config(text: str) -> dict:
@@ -51,7 +51,7 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     for c, t in totals.items():
         tps = t["tokens"] / t["seconds"]
         out[c] = {**t, "tokens_per_s": round(tps, 2), "speedup": round(tps / base, 3),
-                  "tau": round((t["accepted"] + t["rounds"]) / t["rounds"], 3) if t["rounds"] else 1.0}
+                  "tau": round(acceptance_length(t["accepted"], t["rounds"]), 3) if t["rounds"] else 1.0}
     return out
 
 
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     p.add_argument("--plot")
     p.add_argument("--title", default="speculative vs plain decoding, bs 1, greedy")
     args = p.parse_args(argv)
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = read_prompts(args.prompts)
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))

@@ -21,7 +21,6 @@ or with --require-identical when an output differs (see docs/gpu.md for what hol
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,7 +39,6 @@ from eagle_serve.tokenization import encode_prompt, eos_token_ids, load_tokenize
 from kernels import paged_attention as pa, rejection as rj  # noqa: E402
 from kernels import sampling as sm, warmup, workspace as ws  # noqa: E402
 
-PROMPTS = paths.REPO_ROOT / "clients" / "prompts" / "heldout.jsonl"
 GPU_CONFIG = paths.REPO_ROOT / "model_repository" / "spec_decode" / "configs" / "gpu.pbtxt"
 KERNELS = (pa._write_kv_kernel, pa._paged_attention_kernel, sm._probs_kernel, sm._sample_kernel,
            rj._greedy_accept_kernel, rj._recover_kernel, rj._random_accept_kernel,
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {name:52s} {value:.3g}")
 
     tokenizer = load_tokenizer(args.target)
-    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:args.num_prompts]]
+    texts = paths.read_prompts(paths.HELDOUT_PROMPTS)[:args.num_prompts]
     prompts = [encode_prompt(tokenizer, text) for text in texts]
     before = compiled_count(device)
     results = engine_comparison(engine, prompts, args.max_tokens)

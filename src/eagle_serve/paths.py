@@ -1,15 +1,18 @@
-"""Where things live on disk: the cache folder, the default model folders, the server tree.
+"""Where things live on disk: the cache folder, the default model folders, the server tree, and
+the prompt files (JSONL, one `{"prompt": "..."}` a line) with their one reader.
 
-Knows nothing about models or Triton; only resolves names. `EAGLE_CACHE` overrides the cache
-folder (default: `.cache/` in the repository root).
+Knows nothing about models or Triton. `EAGLE_CACHE` overrides the cache folder (default:
+`.cache/` in the repository root).
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+HELDOUT_PROMPTS = REPO_ROOT / "clients" / "prompts" / "heldout.jsonl"  # never trained on
 
 
 def cache_dir() -> Path:
@@ -43,3 +46,9 @@ def resolve_model_path(value: str, base: Path | None = None) -> Path:
     if not path.is_absolute():
         path = (base or REPO_ROOT) / path
     return path.resolve()
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a JSONL file, one `{"prompt": "..."}` a line (blank lines skipped)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]

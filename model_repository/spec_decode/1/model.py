@@ -2,7 +2,7 @@
 import json
 
 import triton_python_backend_utils as pb_utils
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
@@ -11,7 +11,7 @@ from eagle_serve.engine import Engine
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.service import SpecDecodeService
 from eagle_serve.settings import EngineConfig, ServingSettings
-from eagle_serve.tokenization import eos_token_ids
+from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 from eagle_serve.workers import instance_device, log_warmup
 from kernels.warmup import warm_engine
 
@@ -30,7 +30,7 @@ class TritonPythonModel:
         target = BlsTarget(pb_utils, vocab, device, **bls)
         drafter = BlsDrafter(pb_utils, vocab, device, **bls) if drafter_dir is not None else None
         engine = Engine(target, drafter, EngineConfig.from_settings(settings, eos_token_ids(target_dir)),
-                        tokenizer=AutoTokenizer.from_pretrained(str(target_dir)), device=device)
+                        tokenizer=load_tokenizer(target_dir), device=device)
         log_warmup("spec_decode", warm_engine(engine))  # GPU kernels compiled before any request
         metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)
         self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes,
