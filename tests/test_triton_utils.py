@@ -66,6 +66,8 @@ def test_prompt_ids_encode_text_input_through_the_chat_template_unless_told_not_
     raw = request(text_input=text, apply_chat_template=np.array([[False]]))
     assert tu.prompt_ids(raw, tokenizer, 100) == encode_prompt(tokenizer, "Hi there", False)
     assert tu.prompt_ids(request(), tokenizer, 100, required=False) is None
+    raw_by_default = tu.prompt_ids(request(text_input=text), tokenizer, 100, apply_chat_template=False)
+    assert raw_by_default == encode_prompt(tokenizer, "Hi there", False)
 
 
 @pytest.mark.parametrize("inputs, message", [

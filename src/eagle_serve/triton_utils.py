@@ -120,15 +120,17 @@ def texts(request, name: str, max_bytes: int | None = None) -> list[str]:
     return [] if values is None else [utf8(bytes(v), name, max_bytes) for v in values]
 
 
-def prompt_ids(request, tokenizer, max_bytes: int, required: bool = True) -> list[int] | None:
-    """The ids of the request's `text_input`, through the chat template unless
-    `apply_chat_template` is false; None when it is absent and not required."""
+def prompt_ids(request, tokenizer, max_bytes: int, required: bool = True,
+               apply_chat_template: bool = True) -> list[int] | None:
+    """The ids of the request's `text_input`, through the chat template if the request's
+    `apply_chat_template` (default: the argument of that name) says so; None when the text is
+    absent and not required."""
     value = text(request, "text_input", required=required, max_bytes=max_bytes)
     if value is None:
         return None
     if not value:
         raise RequestError("input 'text_input' is empty")
-    use_template = bool(scalar(request, "apply_chat_template", True))
+    use_template = bool(scalar(request, "apply_chat_template", apply_chat_template))
     if use_template and not has_chat_template(tokenizer):
         raise RequestError("this tokenizer has no chat template: "
                            "send apply_chat_template=false with a raw prompt")
