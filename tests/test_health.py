@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import urllib.request
 
 import psutil
@@ -14,7 +13,7 @@ import pytest
 from eagle_serve import paths
 from eagle_serve.processes import model_processes
 from eagle_serve.repo_config import copy_repository
-from server import free_ports, launch
+from server import free_ports, launch, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -22,15 +21,6 @@ pytestmark = pytest.mark.server
 def health(http_port: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "eagle_serve.health", "--http-port", str(http_port)],
                           capture_output=True, text=True, timeout=60)
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def ready_status(http_port: int) -> int | None:
