@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the server's)")
     p.add_argument("--target", default=str(paths.default_target_dir()), help="HF folder for hf modes")
     p.add_argument("--dtype", default="auto", help="hf modes: float32|float64|bfloat16|float16|auto "
-                   "(auto = what the server picks: bfloat16 on CUDA and on CPUs with native "
-                   "bfloat16, else float32)")
+                   "(auto = what the server runs: bfloat16 on CUDA and on CPUs with native bf16, "
+                   "else float32)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10,
                    help="hf-lookup: prompt_lookup_num_tokens")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per mode first")

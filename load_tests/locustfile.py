@@ -120,7 +120,7 @@ class GrpcStreamUser(_GrpcUser):
 
 
 BAD_REQUESTS = [  # (params, the message the server must answer with)
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
     (dict(max_tokens=0), "max_tokens must be >= 1"),
     (dict(top_p=2.0), "top_p must be in (0, 1]"),
     (dict(num_speculative_tokens=99), "num_speculative_tokens must be in"),

@@ -167,13 +167,15 @@ class ServerPool:
         self.servers.clear()
 
 
-def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str) -> TritonServer:
+def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str, name: str = "",
+                **settings: str) -> TritonServer:
     """The float64 tiny Llama (conftest's `tiny_models`) behind the random `head` ("eagle3" or
-    "eagle1"), k = 3 by default: the server of the exact-equality tests."""
-    return pool(f"tiny64-{head}", overrides={"spec_decode": {
+    "eagle1"), k = 3 by default: the server of the exact-equality tests. Other spec_decode
+    `settings` need a server of their own `name`."""
+    return pool(name or f"tiny64-{head}", overrides={"spec_decode": {
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models[head]),
         "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "256", "num_drafter_pages": "256", **CHAINS}})
+        "num_target_pages": "256", "num_drafter_pages": "256", **CHAINS, **settings}})
 
 
 # Requests that do not ask for a tree draft chains of k, and trees asked for are drafted in

@@ -187,7 +187,7 @@ def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     size, unit = int(service["shm_size"][:-2]), service["shm_size"][-2:].lower()
     assert unit == "gb" and size >= 1
-    assert {p.split(":")[0] for p in service["ports"]} == {"8000", "8001", "8002"}
+    assert {p.split(":")[0] for p in service["ports"]} == {"8000", "8001", "8002", "9000"}
     mounts = dict(host_and_container(v) for v in service["volumes"])
     assert mounts["./models"] == "/models"
     command = service["command"]  # arguments of the image's entry point (the supervisor)

@@ -55,6 +55,30 @@ def test_settings_parse_numbers_and_refuse_bad_ones_by_name():
         ServingSettings.from_parameters({"draft_expand_prob": "1.5"})
 
 
+def test_every_ensemble_input_reaches_preprocess_and_spec_decode_with_the_same_type():
+    """Clients (and perf_analyzer, which refuses an input the model does not declare) may send
+    spec_decode what they send the ensemble; preprocess receives every ensemble input."""
+    ensemble = parse(REPO / "ensemble" / "config.pbtxt")
+    inputs = {i.name: (i.data_type, list(i.dims)) for i in ensemble.input}
+    steps = {step.model_name: dict(step.input_map) for step in ensemble.ensemble_scheduling.step}
+    for model in ("preprocess", "spec_decode"):
+        declared = {i.name: (i.data_type, list(i.dims)) for i in parse(REPO / model / "config.pbtxt").input}
+        sent = set(inputs) - ({"text_input", "apply_chat_template"} if model == "spec_decode" else set())
+        assert inputs == {name: declared.get(name) for name in inputs}, model
+        assert {k: v for k, v in steps[model].items() if k in sent} == {name: name for name in sent}, model
+    tools = {"min_tokens", "min_length", "stop_words", "random_seed", "exclude_input_in_output",
+             "return_num_input_tokens", "return_num_output_tokens", "frequency_penalty",
+             "presence_penalty"}
+    assert tools <= set(inputs) and all(i.optional for i in ensemble.input)
+
+
+def test_the_chat_template_switch_parses_true_and_false_only():
+    assert ServingSettings.from_parameters({"apply_chat_template": "false"}).apply_chat_template is False
+    assert ServingSettings().apply_chat_template is True
+    with pytest.raises(ValueError, match="apply_chat_template"):
+        ServingSettings.from_parameters({"apply_chat_template": "sometimes"})
+
+
 def test_single_instance_models_ask_for_one_instance():
     for model in ("eagle_target", "eagle_drafter", "spec_decode", "postprocess"):
         assert sum(g.count or 1 for g in parse(REPO / model / "config.pbtxt").instance_group) == 1

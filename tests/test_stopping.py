@@ -89,3 +89,18 @@ def test_the_automaton_reports_the_longest_match_and_the_longest_open_prefix():
         depths.append(automaton.depth[state])
     assert matches == [0, 0, 0, 2, 4]  # "bc" ends at c (longer than "c"), then "abcd"
     assert depths == [0, 1, 2, 3, 4]
+
+
+def test_each_new_character_is_read_once_whatever_the_number_of_stop_strings(tokenizer, ascii_ids):
+    """What bounds the cost of one request's stop strings for every other request: the
+    automaton takes one step per new output character, rounds and strings notwithstanding."""
+    steps = {}
+    for stops in ([f"{i:03d}" + "z" * 125 for i in range(32)], ["zz"]):
+        checker = StopChecker(tokenizer, tuple(stops))
+        count, step = [0], checker.automaton.step
+        checker.automaton.step = lambda state, ch: (count.__setitem__(0, count[0] + 1), step(state, ch))[1]
+        ids = ascii_ids[:120]
+        for upto in range(1, len(ids) + 1):
+            assert not checker.check(ids[:upto])
+        steps[len(stops)] = count[0]
+    assert steps[32] == steps[1] == len(decode(tokenizer, ascii_ids[:120]))

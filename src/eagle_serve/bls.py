@@ -24,14 +24,16 @@ import torch
 
 from eagle_serve import internal_key
 from eagle_serve.interfaces import (DraftOutput, DraftShapes, KVLost, ModelUnavailable, RaggedBatch,
-                                    RowSampling, TargetOutput)
+                                    RowSampling, TargetOutput, TokenBan)
 
 BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "block_tables", "slot_mapping")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
 SHAPE_INPUTS = {"num_drafts": "num_drafts", "draft_topk": "topk", "draft_depth": "depth",
                 "draft_min_prob": "min_prob", "draft_expand_prob": "expand_prob"}  # input -> field
-# Optional inputs, sent only when present (a batch with a draft tree; KV moves):
-# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64.
+# Optional inputs, sent only when present (a batch with a draft tree; KV moves; banned tokens):
+# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64; ban_rows [M] /
+# ban_token_ids [E] INT64.
+BAN_INPUTS = ("ban_rows", "ban_token_ids")
 
 
 def to_pb(pb, name: str, tensor: torch.Tensor):
@@ -71,6 +73,11 @@ def batch_from_request(pb, request, device) -> tuple[RaggedBatch, RowSampling]:
 def shapes_from_request(pb, request, device) -> DraftShapes:
     return DraftShapes(**{field: input_tensor(pb, request, name).to(device)
                           for name, field in SHAPE_INPUTS.items()})
+
+
+def ban_from_request(pb, request, device) -> TokenBan | None:
+    pair = optional_pair(pb, request, BAN_INPUTS, device)
+    return None if pair is None else TokenBan(*pair)
 
 
 def optional_pair(pb, request, names: tuple[str, str], device) -> tuple | None:
@@ -130,12 +137,15 @@ class BlsTarget(_BlsModel):
     MODEL_NAME = "eagle_target"
 
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
-                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ban: TokenBan | None = None) -> TargetOutput:
         outputs = ["hidden", "argmax"] + (["probs"] if bool(sampling.sampled.any()) else [])
         inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "logit_rows", logit_rows)]
         if kv_moves is not None and kv_moves[0].numel() > 0:
             inputs += [to_pb(self.pb, "kv_move_src", kv_moves[0]),
                        to_pb(self.pb, "kv_move_dst", kv_moves[1])]
+        if ban is not None:
+            inputs += [to_pb(self.pb, name, t) for name, t in zip(BAN_INPUTS, (ban.rows, ban.token_ids))]
         r = self.call(inputs, outputs)
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)  # no rows needed logits
         probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))

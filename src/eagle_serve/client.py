@@ -22,6 +22,7 @@ PARAMS = {
     "num_speculative_tokens": ("INT32", np.int32), "draft_topk": ("INT32", np.int32),
     "draft_depth": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_),
     "stream": ("BOOL", np.bool_), "apply_chat_template": ("BOOL", np.bool_),
+    "min_tokens": ("INT32", np.int32),
 }
 COUNTERS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens",
             "num_rounds")

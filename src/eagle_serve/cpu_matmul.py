@@ -16,6 +16,8 @@ would cost ~20% of a decode step, so fp32 keeps the statistical exactness of flo
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -51,10 +53,28 @@ class CpuLinear(nn.Module):
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):
             return nn.functional.linear(x, self.weight, self.bias)
         if x.dtype == torch.bfloat16 and x.shape[:-1].numel() == 1:  # the row-invariant kernel
-            padded = torch.cat([x.reshape(1, -1), x.new_zeros(1, self.in_features)])
+            if x.requires_grad:
+                padded = torch.cat([x.reshape(1, -1), x.new_zeros(1, self.in_features)])
+            else:
+                padded = _padded_row(self.in_features)  # [2, in]: x, then zeros
+                padded[0].copy_(x.reshape(-1))
             out = torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")
             return out[:1].view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+_PADDED: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _padded_row(width: int) -> torch.Tensor:
+    """-> [2, width] bf16 whose second row stays zero: one per thread and width, reused by every
+    single-row call (the first row is written just before the GEMM reads it)."""
+    key = (threading.get_ident(), width)
+    buffer = _PADDED.get(key)
+    if buffer is None:
+        with torch.inference_mode(False):  # writable in and out of inference mode
+            buffer = _PADDED[key] = torch.zeros(2, width, dtype=torch.bfloat16)
+    return buffer
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:

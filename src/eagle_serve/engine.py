@@ -100,7 +100,7 @@ class Engine:
                              f"exceeds max_model_len ({cfg.max_model_len})")
         k = self.policy.default_k(params, self.drafter is not None)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        stop = StopChecker(self.tokenizer, params.stop) if params.stop else None
+        stop = StopChecker(self.tokenizer, params.stop, params.min_tokens) if params.stop else None
         req = Request(request_id if request_id is not None else f"req-{next(self._ids)}",
                       len(prompt_ids), params, k, seed % (1 << 63), stop, list(prompt_ids))
         req.topk, req.depth = self.policy.request_shape(params, k)
@@ -146,9 +146,11 @@ class Engine:
     def _verify(self, reqs: list[Request]) -> list[DraftWork]:
         """The target forward of a round and its acceptance -> drafter work."""
         try:
-            vb = verify.build_verify_batch(reqs, self.target_pool, self.device)
-            result = self.target.forward(vb.batch, vb.logit_rows, vb.sampling,
-                                         **({"kv_moves": vb.kv_moves} if vb.kv_moves else {}))
+            vb = verify.build_verify_batch(reqs, self.target_pool, self.device,
+                                           self.config.eos_token_ids)
+            extra = {"kv_moves": vb.kv_moves} if vb.kv_moves else {}
+            extra |= {"ban": vb.ban} if vb.ban else {}
+            result = self.target.forward(vb.batch, vb.logit_rows, vb.sampling, **extra)
             self.stats.steps += 1
             verdicts = verify.accept(result, vb, self.workspace, self.target.vocab_size, self.device)
             work = verify.advance(result, vb, verdicts, self.target_pool, self.workspace,

@@ -59,6 +59,16 @@ class RowSampling:
 
 
 @dataclass
+class TokenBan:
+    """Tokens the target must not produce at some scored rows: their logits are -inf there
+    before the argmax and the probabilities (the EOS ids on rows whose output position is
+    below the request's min_tokens). Acceptance is unchanged: a banned draft never matches the
+    argmax and has target probability 0."""
+    rows: torch.Tensor       # [M] int64: indices into logit_rows
+    token_ids: torch.Tensor  # [E] int64
+
+
+@dataclass
 class DraftShapes:
     """What each request of a drafter call drafts (the draft policy's decision), per row [B]."""
     num_drafts: torch.Tensor   # int64: nodes to propose (a chain: its length)
@@ -117,9 +127,11 @@ class TargetRunner(Protocol):
     vocab_size: int
 
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
-                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ban: TokenBan | None = None) -> TargetOutput:
         """kv_moves: (src_slots [M], dst_slots [M]) int64: copy every layer's K/V from src to
-        dst before the forward writes anything (the accepted path of a draft tree)."""
+        dst before the forward writes anything (the accepted path of a draft tree); ban: tokens
+        masked on some scored rows."""
         ...
 
 

@@ -1,53 +1,120 @@
-"""Prometheus metrics of the engine, served by Triton on its metrics port (names in DESIGN.md)."""
+"""Prometheus metrics of the engine, served by Triton on its metrics port.
+
+Our names (`eagle_*`, DESIGN.md) and, for the dashboards and benchmark tools built for vLLM
+(aiperf's speculative-decoding report, vLLM's Grafana dashboard), the same quantities under
+vLLM's names, types and labels: `vllm:*` counters carry the `_total` suffix that vLLM's
+Prometheus client adds, the per-position counter is 0-based, finish reason "cancelled" is
+vLLM's "abort", and every `vllm:*` metric has vLLM's `model_name` label (the target folder's
+name, the OpenAI server's model id). A draft (vLLM's word) is one verify round of one request
+that checked at least one draft token; the mean acceptance length is 1 + accepted / drafts over
+every draft since the server started (vLLM's and SGLang's definition; a per-request acceptance
+length counts every round, see requests.acceptance_length).
+"""
 from __future__ import annotations
 
 from eagle_serve.engine import Engine
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+REQUEST_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0]
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}  # ours: vLLM's
+ENGINE_COUNTERS = {  # EngineStats field: (our name, vLLM's name or None, description)
+    "draft_tokens": ("eagle_spec_decode_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+                     "Draft tokens verified"),
+    "accepted_tokens": ("eagle_spec_decode_accepted_tokens_total",
+                        "vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted"),
+    "drafts": ("eagle_spec_decode_drafts_total", "vllm:spec_decode_num_drafts_total",
+               "Verify rounds of a request that checked at least one draft token"),
+    "rounds": ("eagle_spec_decode_rounds_total", None, "Verify rounds, counted per request"),
+    "steps": ("eagle_engine_steps_total", None, "Batched engine rounds (target forwards)"),
+    "preemptions": ("eagle_preemptions_total", None, "Requests preempted for KV pages (recomputed later)"),
+}
+
+
+class _Each:
+    """One quantity kept by several Triton metrics (ours and vLLM's): every update goes to all."""
+
+    def __init__(self, *metrics):
+        self.metrics = [m for m in metrics if m is not None]
+
+    def increment(self, value) -> None:
+        for m in self.metrics:
+            m.increment(value)
+
+    def set(self, value) -> None:
+        for m in self.metrics:
+            m.set(value)
+
+    def observe(self, value) -> None:
+        for m in self.metrics:
+            m.observe(value)
 
 
 class EngineMetrics:
-    def __init__(self, pb, max_positions: int):
+    def __init__(self, pb, max_positions: int, model_name: str = ""):
         fam = pb.MetricFamily
         self._families = []  # a family must outlive its metrics: keep them all
+        vllm = {"model_name": model_name}
 
         def family(name, description, kind):
             self._families.append(fam(name=name, description=description, kind=kind))
             return self._families[-1]
 
-        counters = {
-            "draft": ("eagle_spec_decode_draft_tokens_total", "Draft tokens verified"),
-            "accepted": ("eagle_spec_decode_accepted_tokens_total", "Draft tokens accepted"),
-            "rounds": ("eagle_spec_decode_rounds_total", "Verify rounds, counted per request"),
-            "steps": ("eagle_engine_steps_total", "Batched engine rounds (target forwards)"),
-            "preemptions": ("eagle_preemptions_total", "Requests preempted for KV pages (recomputed later)"),
-        }
-        self.counters = {k: family(n, d, fam.COUNTER).Metric(labels={}) for k, (n, d) in counters.items()}
+        def metric(name, description, kind, labels=None, **kw):
+            return None if name is None else family(name, description, kind).Metric(labels=labels or {}, **kw)
+
+        def both(ours, theirs, description, kind, labels=None, **kw):
+            return _Each(metric(ours, description, kind, labels, **kw),
+                         metric(theirs, description, kind, {**vllm, **(labels or {})}, **kw))
+
+        self.counters = {key: both(ours, theirs, d, fam.COUNTER)
+                         for key, (ours, theirs, d) in ENGINE_COUNTERS.items()}
         per_pos = family("eagle_spec_decode_accepted_tokens_per_position_total",
                          "Accepted draft tokens by draft position (1-based)", fam.COUNTER)
-        self.per_position = [per_pos.Metric(labels={"position": str(j + 1)}) for j in range(max_positions)]
-        running = family("eagle_requests_running", "Requests in the running batch", fam.GAUGE)
-        waiting = family("eagle_requests_waiting", "Requests waiting for admission", fam.GAUGE)
+        per_pos_vllm = family("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                              "Accepted draft tokens by draft position (0-based)", fam.COUNTER)
+        self.per_position = [_Each(per_pos.Metric(labels={"position": str(j + 1)}),
+                                   per_pos_vllm.Metric(labels={**vllm, "position": str(j)}))
+                             for j in range(max_positions)]
+        self.acceptance_length = metric(
+            "eagle_spec_decode_mean_acceptance_length", "Mean acceptance length since start: "
+            "1 + accepted draft tokens / drafts (0 before the first draft)", fam.GAUGE)
+        self.running = both("eagle_requests_running", "vllm:num_requests_running",
+                            "Requests in the running batch", fam.GAUGE)
+        self.waiting = both("eagle_requests_waiting", "vllm:num_requests_waiting",
+                            "Requests waiting for admission", fam.GAUGE)
         pages_free = family("eagle_kv_pages_free", "Free KV cache pages", fam.GAUGE)
         pages_total = family("eagle_kv_pages_total", "KV cache pages", fam.GAUGE)
-        slots = family("eagle_draft_slots_free", "Free draft-token workspace slots", fam.GAUGE)
-        self.running, self.waiting = running.Metric(labels={}), waiting.Metric(labels={})
         self.pages_free = {p: pages_free.Metric(labels={"pool": p}) for p in ("target", "drafter")}
         self.pages_total = {p: pages_total.Metric(labels={"pool": p}) for p in ("target", "drafter")}
-        self.slots_free = slots.Metric(labels={})
-        ttft = family("eagle_time_to_first_token_seconds", "Time to first token", fam.HISTOGRAM)
-        tpot = family("eagle_time_per_output_token_seconds", "Time per output token after the first",
-                      fam.HISTOGRAM)
-        self.ttft = ttft.Metric(labels={}, buckets=LATENCY_BUCKETS)
-        self.tpot = tpot.Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.slots_free = metric("eagle_draft_slots_free", "Free draft-token workspace slots", fam.GAUGE)
+        finished = family("eagle_requests_finished_total", "Requests finished, by finish reason",
+                          fam.COUNTER)
+        success = family("vllm:request_success_total", "Requests finished, by finish reason", fam.COUNTER)
+        self.finished = {ours: _Each(finished.Metric(labels={"finish_reason": ours}),
+                                     success.Metric(labels={**vllm, "finished_reason": theirs}))
+                         for ours, theirs in FINISH_REASONS.items()}
+        self.prompt_tokens = both("eagle_prompt_tokens_total", "vllm:prompt_tokens_total",
+                                  "Prompt tokens of the requests that got a first token", fam.COUNTER)
+        self.generation_tokens = both("eagle_generation_tokens_total", "vllm:generation_tokens_total",
+                                      "Output tokens sent", fam.COUNTER)
+        self.ttft = both("eagle_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+                         "Time to first token", fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.tpot = metric("eagle_time_per_output_token_seconds", "Time per output token after the "
+                           "first, per request", fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.e2e = both("eagle_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+                        "Arrival to last response of a request that did not fail", fam.HISTOGRAM,
+                        buckets=REQUEST_BUCKETS)
+        self.queue_time = both("eagle_request_queue_time_seconds", "vllm:request_queue_time_seconds",
+                               "Arrival to first admission into the running batch", fam.HISTOGRAM,
+                               buckets=REQUEST_BUCKETS)
         self._seen = dict.fromkeys(self.counters, 0)
         self._seen_positions = [0] * max_positions
 
     def update(self, engine: Engine) -> None:
+        """Counters and gauges from the engine's state (the engine thread, each round)."""
         s = engine.stats
-        totals = {"draft": s.draft_tokens, "accepted": s.accepted_tokens, "rounds": s.rounds,
-                  "steps": s.steps, "preemptions": s.preemptions}
-        for key, total in totals.items():
+        for key, total in ((key, getattr(s, key)) for key in self.counters):
             if total > self._seen[key]:
                 self.counters[key].increment(total - self._seen[key])
                 self._seen[key] = total
@@ -55,6 +122,9 @@ class EngineMetrics:
             if total > self._seen_positions[j]:
                 self.per_position[j].increment(total - self._seen_positions[j])
                 self._seen_positions[j] = total
+        self.acceptance_length.set(1 + s.accepted_tokens / s.drafts if s.drafts else 0.0)
+        while s.queue_times:
+            self.queue_time.observe(s.queue_times.popleft())
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
         for pool in (engine.target_pool, engine.drafter_pool):
@@ -62,8 +132,19 @@ class EngineMetrics:
             self.pages_total[pool.name].set(pool.num_pages)
         self.slots_free.set(engine.workspace.num_free)
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_first_token(self, seconds: float, prompt_tokens: int) -> None:
         self.ttft.observe(seconds)
+        self.prompt_tokens.increment(prompt_tokens)
+
+    def observe_generated(self, tokens: int) -> None:
+        if tokens:
+            self.generation_tokens.increment(tokens)
 
     def observe_tpot(self, seconds: float) -> None:
         self.tpot.observe(seconds)
+
+    def observe_finished(self, reason: str, e2e_seconds: float | None = None) -> None:
+        """reason: "stop", "length", "cancelled" or "error"; e2e_seconds: None for a failure."""
+        self.finished[reason].increment(1)
+        if e2e_seconds is not None:
+            self.e2e.observe(e2e_seconds)

@@ -32,18 +32,17 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first R dims of every head (R = D, or less for partial rotary as Phi-3 may).
 
-    q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin: [T, R] -> q, k (the arithmetic of HF's
-    apply_rotary_pos_emb, so float64 results equal HF's exactly)
+    q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin: [T, R] -> q, k (views of one [T, Hq + Hkv, D]
+    tensor; the arithmetic of HF's apply_rotary_pos_emb, so float64 results equal HF's exactly)
     """
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, R]
     r = cos.shape[-1]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        part = x[..., :r]
-        half = torch.cat((-part[..., r // 2:], part[..., :r // 2]), dim=-1)
-        out = (part * cos) + (half * sin)
-        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
-    return rotate(q), rotate(k)
+    qk = torch.cat([q, k], dim=1)  # [T, Hq + Hkv, D]: one rotation for both
+    part = qk[..., :r]
+    half = torch.cat((-part[..., r // 2:], part[..., :r // 2]), dim=-1)
+    out = (part * cos) + (half * sin)
+    out = out if r == qk.shape[-1] else torch.cat([out, qk[..., r:]], dim=-1)
+    return out.split([q.shape[1], k.shape[1]], dim=1)
 
 
 def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

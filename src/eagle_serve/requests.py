@@ -28,12 +28,16 @@ class SamplingParams:
     ignore_eos: bool = False
     draft_topk: int | None = None     # children per tree node; None = the engine's; 1 = chain
     draft_depth: int | None = None    # tree levels; None = the engine's
+    min_tokens: int = 0               # no EOS and no stop string ends the output before this
+    #                                   many tokens (EOS is masked in the target's logits)
 
     def validate(self, cfg: EngineConfig, max_k: int) -> None:
         """max_k: the largest k this engine drafts (0 without a drafter)."""
         stop_bytes = sum(len(s.encode("utf-8")) for s in self.stop)
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}"),
             (math.isfinite(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -117,6 +121,11 @@ class Request:
     @property
     def done(self) -> bool:
         return bool(self.finish_reason or self.error)
+
+    def eos_banned(self, depth: int) -> bool:
+        """Whether EOS is masked for the token `depth` places past the last one (0 = the next
+        token): its output position is below min_tokens."""
+        return not self.params.ignore_eos and len(self.output) + depth < self.params.min_tokens
 
     def sampling_row(self) -> tuple[float, int, float, int]:
         p = self.params

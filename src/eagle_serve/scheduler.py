@@ -43,6 +43,8 @@ class Scheduler:
                 self.release(req)
                 break
             self.running.append(self.waiting.popleft())
+            if not req.admitted:
+                self.stats.queue_times.append(time.monotonic() - req.arrived_at)
             req.admitted = True
         self.running.sort(key=lambda r: r.arrival)
 

@@ -4,7 +4,10 @@
 at once with an error and FINAL; one background thread runs engine rounds while there is work,
 sends each request's new tokens (stream) or its whole output (non-stream) with running totals,
 polls client cancellation every round, and keeps the Prometheus metrics current; a second one
-makes each round's drafter call meanwhile. Every request gets FINAL exactly once (`_Stream`): on
+makes each round's drafter call meanwhile. Inputs that NVIDIA's tools send (genai-perf's
+TensorRT-LLM requests, Triton's OpenAI frontend) are read here too: aliases of ours, flags with
+the one value that makes sense, and return_num_output_tokens, which makes num_output_tokens count
+each response's tokens. Every request gets FINAL exactly once (`_Stream`): on
 finish, bad input, cancellation, a failed model call, a timeout or shutdown. A model call that
 times out or finds its model process dead (`ModelUnavailable`) breaks the engine: every open
 request fails and `on_broken` stops the server so that its supervisor restarts it.
@@ -69,14 +72,43 @@ class _Open:
     stream: bool
     direct: bool                    # called with text_input: send text_output too
     arrival: float
+    count_per_response: bool        # num_output_tokens counts each response's tokens
     output_ids: list[int] = field(default_factory=list)
     num_sent: int = 0
     first_token_at: float | None = None
 
 
-def read_prompt(request, tokenizer, max_input_bytes: int) -> tuple[list[int], bool]:
+@dataclass(frozen=True)
+class ClientRequest:
+    """One request as the engine and the responses need it."""
+    prompt: list[int]
+    direct: bool                    # came with text_input (send text_output back)
+    params: SamplingParams
+    stream: bool
+    count_per_response: bool        # return_num_output_tokens: num_output_tokens is the number
+    #                                 of tokens in each response (the vLLM and TensorRT-LLM
+    #                                 backends' meaning, which Triton's OpenAI frontend sums)
+
+
+# Inputs that NVIDIA's tools send under other names (TensorRT-LLM's): same meaning, same type.
+ALIASES = {"seed": "random_seed", "min_tokens": "min_length", "stop": "stop_words"}
+
+
+def read_request(request, tokenizer, max_input_bytes: int = 65536,
+                 apply_chat_template: bool = True) -> ClientRequest:
+    """A Triton request's inputs -> ClientRequest (RequestError if bad). apply_chat_template:
+    the default of the input of that name."""
+    prompt, direct = read_prompt(request, tokenizer, max_input_bytes, apply_chat_template)
+    params, stream = read_params(request)
+    return ClientRequest(prompt, direct, params, stream,
+                         bool(tu.scalar(request, "return_num_output_tokens", False)))
+
+
+def read_prompt(request, tokenizer, max_input_bytes: int,
+                apply_chat_template: bool = True) -> tuple[list[int], bool]:
     """-> prompt ids, and whether the request came with text (the direct path)."""
-    ids = tu.prompt_ids(request, tokenizer, max_input_bytes, required=False)
+    ids = tu.prompt_ids(request, tokenizer, max_input_bytes, required=False,
+                        apply_chat_template=apply_chat_template)
     if ids is not None:
         return ids, True
     ids = tu.row(request, "input_ids")
@@ -89,30 +121,58 @@ def read_prompt(request, tokenizer, max_input_bytes: int) -> tuple[list[int], bo
 
 def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bool]:
     """One request's sampling parameters and stream flag (RequestError if bad)."""
+    check_tool_inputs(request)
     k = tu.scalar(request, "num_speculative_tokens")
     topk, depth = tu.scalar(request, "draft_topk"), tu.scalar(request, "draft_depth")
+    seed = aliased(request, "seed", tu.scalar)
+    stop = aliased(request, "stop", lambda r, name: tu.texts(r, name, max_bytes=max_stop_bytes) or None)
     params = SamplingParams(
         max_tokens=int(tu.scalar(request, "max_tokens", 128)),
         temperature=float(tu.scalar(request, "temperature", 0.0)),
         top_p=float(tu.scalar(request, "top_p", 1.0)),
         top_k=int(tu.scalar(request, "top_k", 0)),
-        seed=None if tu.scalar(request, "seed") is None else int(tu.scalar(request, "seed")),
+        seed=None if seed is None else int(seed),
         num_speculative_tokens=None if k is None else int(k),
         draft_topk=None if topk is None else int(topk),
         draft_depth=None if depth is None else int(depth),
-        stop=tuple(tu.texts(request, "stop", max_bytes=max_stop_bytes)),
-        ignore_eos=bool(tu.scalar(request, "ignore_eos", False)))
+        stop=tuple(stop or ()),
+        ignore_eos=bool(tu.scalar(request, "ignore_eos", False)),
+        min_tokens=int(aliased(request, "min_tokens", tu.scalar) or 0))
     return params, bool(tu.scalar(request, "stream", False))
+
+
+def aliased(request, name: str, read):
+    """The value of input `name` or of its alias (None if neither is sent); both sent must agree."""
+    values = {n: read(request, n) for n in (name, ALIASES[name])}
+    given = {n: v for n, v in values.items() if v is not None}
+    if len(given) == 2 and values[name] != values[ALIASES[name]]:
+        raise tu.RequestError(f"inputs '{name}' and '{ALIASES[name]}' mean the same and disagree: "
+                              f"{values[name]!r} vs {values[ALIASES[name]]!r}; send one of them")
+    return next(iter(given.values()), None)
+
+
+def check_tool_inputs(request) -> None:
+    """Inputs NVIDIA's tools send that only one value of makes sense here (RequestError else).
+    return_num_input_tokens is accepted and needs nothing: the counters are always sent."""
+    if not tu.scalar(request, "exclude_input_in_output", True):
+        raise tu.RequestError("exclude_input_in_output=false is not supported: the output never "
+                              "includes the prompt")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if tu.scalar(request, name, 0.0) != 0.0:
+            raise tu.RequestError(f"{name} is not supported (only 0 is accepted), got "
+                                  f"{tu.scalar(request, name)}")
 
 
 class SpecDecodeService:
     def __init__(self, pb, engine: Engine, metrics: EngineMetrics | None = None,
                  max_input_bytes: int = 65536, draft_timeout_s: float = 0.0,
-                 on_broken: Callable[[str], None] | None = None):
+                 on_broken: Callable[[str], None] | None = None, apply_chat_template: bool = True):
         """on_broken(reason): called once when a model process is stuck or dead; spec_decode's
-        model.py stops the server there, so its supervisor restarts it."""
+        model.py stops the server there, so its supervisor restarts it. apply_chat_template:
+        what a text_input request without that input gets."""
         self.pb, self.engine, self.metrics = pb, engine, metrics
         self.max_input_bytes, self.draft_timeout_s = max_input_bytes, draft_timeout_s
+        self.apply_chat_template = apply_chat_template
         self.on_broken = on_broken
         self.open: dict[str, _Open] = {}
         self.broken = ""                # why the engine cannot go on ("" = it can)
@@ -137,14 +197,15 @@ class SpecDecodeService:
                 self._thread.start()
             if self.broken or self._stopping:
                 raise EngineBusy(f"the server is restarting: {self.broken or 'shutting down'}")
-            prompt, direct = read_prompt(request, self.engine.tokenizer, self.max_input_bytes)
-            params, stream = read_params(request)
+            client = read_request(request, self.engine.tokenizer, self.max_input_bytes,
+                                  self.apply_chat_template)
             with self._wake:
                 self._ids += 1
                 rid = f"{request.request_id() or 'req'}#{self._ids}"
-                self.open[rid] = _Open(out, stream, direct, time.perf_counter())
+                self.open[rid] = _Open(out, client.stream, client.direct, time.perf_counter(),
+                                       client.count_per_response)
                 try:
-                    self.engine.add_request(prompt, params, rid)
+                    self.engine.add_request(client.prompt, client.params, rid)
                 except Exception:
                     del self.open[rid]
                     raise
@@ -221,6 +282,8 @@ class SpecDecodeService:
             entry = self.open.pop(rid, None)
             if entry is not None:
                 entry.out.fail(f"{message} (request {rid})", code)
+                if self.metrics:
+                    self.metrics.observe_finished("error")
 
     def _poll_cancellations(self) -> None:
         for rid, entry in list(self.open.items()):
@@ -239,13 +302,19 @@ class SpecDecodeService:
         finally:
             if out.finished:
                 entry.out.close()  # FINAL exactly once, whatever happened above
+                if self.metrics and out.error:
+                    self.metrics.observe_finished("error")
+                elif self.metrics:
+                    self.metrics.observe_finished(out.finish_reason, time.perf_counter() - entry.arrival)
 
     def _send_tokens(self, entry: _Open, out: RequestOutput) -> None:
         now = time.perf_counter()
         if out.new_token_ids and entry.first_token_at is None:
             entry.first_token_at = now
             if self.metrics:
-                self.metrics.observe_ttft(now - entry.arrival)
+                self.metrics.observe_first_token(now - entry.arrival, out.num_input_tokens)
+        if self.metrics:
+            self.metrics.observe_generated(len(out.new_token_ids))
         entry.output_ids += out.new_token_ids
         if out.finished and self.metrics and len(entry.output_ids) > 1 and entry.first_token_at is not None:
             self.metrics.observe_tpot((now - entry.first_token_at) / (len(entry.output_ids) - 1))
@@ -258,14 +327,15 @@ class SpecDecodeService:
         if entry.direct:
             tok = self.engine.tokenizer
             text = decode_delta(tok, prev, new, out.finished) if entry.stream else decode(tok, new)
-        tensors = self._tensors(out, new, prev) + [tu.text_tensor("text_output", text)]
+        num_output = len(new) if entry.count_per_response else out.num_output_tokens
+        tensors = self._tensors(out, new, prev, num_output) + [tu.text_tensor("text_output", text)]
         entry.out.send(self.pb.InferenceResponse(output_tensors=tensors), final=out.finished)
 
-    def _tensors(self, out: RequestOutput, new: list[int], prev: list[int]) -> list:
+    def _tensors(self, out: RequestOutput, new: list[int], prev: list[int], num_output: int) -> list:
         return [tu.ids_tensor("output_ids", np.asarray(new, dtype=np.int32)),
                 tu.ids_tensor("prev_ids", np.asarray(prev, dtype=np.int32)),
                 tu.int_tensor("num_input_tokens", out.num_input_tokens),
-                tu.int_tensor("num_output_tokens", out.num_output_tokens),
+                tu.int_tensor("num_output_tokens", num_output),
                 tu.int_tensor("num_draft_tokens", out.num_draft_tokens),
                 tu.int_tensor("num_accepted_tokens", out.num_accepted_tokens),
                 tu.int_tensor("num_rounds", out.num_rounds),

@@ -42,6 +42,8 @@ class ServingSettings:
     #                                            verified (the first always is); 0 = off
     draft_expand_prob: float = 0.5             # draft deeper only while a draft reaches this; 0 = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
+    apply_chat_template: bool = True           # what a text_input request without that input
+    #                                            gets (false: callers that template themselves)
     max_stop_strings: int = 32                 # stop strings of one request
     max_stop_bytes: int = 4096                 # their total UTF-8 size
     model_call_timeout_s: float = 120.0        # a target/drafter call slower than this means a
@@ -68,7 +70,8 @@ class ServingSettings:
         values = {}
         for name, value in params.items():
             if name in known:
-                cast = {"int": int, "float": float}.get(getattr(known[name], "__name__", known[name]))
+                cast = {"int": int, "float": float, "bool": parse_bool}.get(
+                    getattr(known[name], "__name__", known[name]))
                 try:
                     values[name] = cast(value) if cast else value
                 except ValueError:
@@ -144,6 +147,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
 
+def parse_bool(value: str) -> bool:
+    """A config parameter's "true" / "false" (ValueError for anything else)."""
+    word = str(value).strip().lower()
+    if word not in ("true", "false"):
+        raise ValueError(f"not true or false: {value!r}")
+    return word == "true"
+
+
 def torch_dtype(name: str, on_gpu: bool = False):
     """A dtype name of the settings -> torch dtype (auto: bfloat16 on GPU and on CPUs that
     compute it natively, else float32)."""
@@ -168,6 +179,14 @@ def tokenizer_dir(value: str, repo_dir: Path) -> Path:
             return paths.default_target_dir()
         return read_settings(repo_dir).model_dirs(Path(repo_dir))[0]
     return paths.resolve_model_path(value, Path(repo_dir))
+
+
+def chat_template_default(repo_dir: Path) -> bool:
+    """Whether a text request without apply_chat_template gets the chat template: spec_decode's
+    setting (true in a repository without spec_decode)."""
+    if not (Path(repo_dir) / "spec_decode" / "config.pbtxt").exists():
+        return True
+    return read_settings(repo_dir).apply_chat_template
 
 
 def read_settings(repo_dir: Path) -> ServingSettings:

@@ -10,7 +10,8 @@ streaming until later tokens decide.
 
 The first match to complete wins (among those ending at the same character, the longest); it is
 excluded from the output, which is cut to the tokens whose text ends at or before the match
-starts (a token that straddles the start of a stop string is dropped with it). Scanning in text
+starts (a token that straddles the start of a stop string is dropped with it). A match that
+would leave fewer than `min_tokens` tokens does not count (the text goes on). Scanning in text
 order makes the result independent of how many tokens a round adds, so speculative decoding
 stops exactly where plain decoding does.
 """
@@ -59,10 +60,10 @@ class StopChecker:
     """Per request: feed it the output ids after each round (`check`), ask what is safe to send
     (`safe_upto`)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer, stop: tuple[str, ...], min_tokens: int = 0):
         if tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, tuple(stop), min_tokens
         self.automaton = StopAutomaton(self.stop)
         self.state = 0
         self.num_chars = 0            # characters read so far
@@ -84,8 +85,10 @@ class StopChecker:
                     self.pending = []
                 length = self.automaton.match[self.state]
                 if length:
-                    self.keep = bisect.bisect_right(self.ends, self.num_chars - length)
-                    return True
+                    keep = bisect.bisect_right(self.ends, self.num_chars - length)
+                    if keep >= self.min_tokens:
+                        self.keep = keep
+                        return True
             self.ends.append(self.num_chars if not held else float("inf"))
             if held:
                 self.pending.append(i)

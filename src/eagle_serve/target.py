@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle_serve.cpu_matmul import use_cpu_linears
-from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput
+from eagle_serve.cpu_matmul import CpuLinear, use_cpu_linears
+from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
 from eagle_serve.paged import PagedKVCache, paged_attention_step
 from kernels.sampling import compute_probs
 
@@ -28,7 +30,7 @@ class Architecture:
     windows: str = "none"        # sliding layers: "none"; "all" (config.sliding_window, if set);
     #                              "layer_types" (config.sliding_window on "sliding_attention" layers)
     qk_norm: bool = False        # RMSNorm on each head's q and k before RoPE
-    fused_qkv: bool = False      # one qkv_proj (a fused gate_up_proj lives inside HF's MLP module)
+    fused_qkv: bool = False      # HF's checkpoint has one qkv_proj and one gate_up_proj
     sandwich_norms: bool = False  # norm after attention; pre- and post-FFN norms
     softcaps: bool = False       # config attn_logit_softcapping / final_logit_softcapping
     query_scalar: bool = False   # attention scale query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5)
@@ -75,10 +77,37 @@ def load_target_config(folder: str | Path):
     return config
 
 
+def fuse_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear for several that read the same input: x [..., in] -> [..., sum of outs], the
+    parts' outputs side by side in order. The parts are left as views of the fused weight (no
+    weight is held twice). CpuLinear parts give a CpuLinear, so a row's result still does not
+    depend on the other rows (see cpu_matmul)."""
+    weights = [p.weight.detach() for p in parts]  # [out_i, in]
+    biases = [None if p.bias is None else p.bias.detach() for p in parts]
+    if len({b is None for b in biases}) != 1 or len({w.shape[1] for w in weights}) != 1:
+        raise ValueError("fused linears need one input width and all or no biases")
+    fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights),
+                      bias=biases[0] is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat(weights), requires_grad=False)  # [sum out_i, in]
+    if biases[0] is not None:
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    fused = CpuLinear(fused) if isinstance(parts[0], CpuLinear) else fused
+    start = 0
+    for part, w in zip(parts, weights):
+        part.weight = nn.Parameter(fused.weight[start:start + w.shape[0]], requires_grad=False)
+        if fused.bias is not None:
+            part.bias = nn.Parameter(fused.bias[start:start + w.shape[0]], requires_grad=False)
+        start += w.shape[0]
+    return fused
+
+
 @dataclass(frozen=True)
 class _LayerPlan:
     window: int            # 0 = full attention
     rope: str | None       # key of the layer's RoPE table
+    qkv: nn.Module         # x [T, H] -> [T, q_width + 2 kv_width]: q, k, v side by side
+    gate_up: nn.Module | None  # x [T, H] -> [T, 2 I]: gate, up side by side; None: HF's MoE block
+    act: Callable | None   # the MLP's activation (on gate)
 
 
 class TargetModel:
@@ -112,11 +141,22 @@ class TargetModel:
         self.layers = [self._plan(i) for i in range(self.num_layers)]
 
     def _plan(self, idx: int) -> _LayerPlan:
+        """The layer's window and RoPE table, and its projections fused: q/k/v into one linear,
+        gate/up into one (one GEMM each per layer)."""
         cfg, arch = self.config, self.arch
         kind = cfg.layer_types[idx] if getattr(cfg, "layer_types", None) else "full_attention"
         sliding = {"none": False, "all": True, "layer_types": kind == "sliding_attention"}[arch.windows]
         window = (getattr(cfg, "sliding_window", None) or 0) if sliding else 0
-        return _LayerPlan(window=window, rope=kind if arch.rope_per_layer_type else None)
+        layer = self.hf.model.layers[idx]
+        attn, mlp = layer.self_attn, layer.mlp
+        if arch.fused_qkv:
+            qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
+        else:
+            qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = None if arch.moe else fuse_linears([mlp.gate_proj, mlp.up_proj])
+        act = None if arch.moe else getattr(mlp, "act_fn", None) or mlp.activation_fn
+        return _LayerPlan(window=window, rope=kind if arch.rope_per_layer_type else None,
+                          qkv=qkv, gate_up=gate_up, act=act)
 
     @property
     def embed_tokens(self) -> torch.nn.Embedding:
@@ -142,24 +182,22 @@ class TargetModel:
 
     def _attention(self, idx: int, attn, x: torch.Tensor, rope: tuple, batch: RaggedBatch) -> torch.Tensor:
         """x: [T, H] (normed) -> [T, H]"""
-        num_tokens, d = x.shape[0], self.head_dim
-        if self.arch.fused_qkv:
-            q, k, v = attn.qkv_proj(x).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
-        else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q, k, v = (t.reshape(num_tokens, -1, d) for t in (q, k, v))
+        num_tokens, d, plan = x.shape[0], self.head_dim, self.layers[idx]
+        q, k, v = plan.qkv(x).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        q, k, v = (t.reshape(num_tokens, -1, d) for t in (q, k, v))  # [T, heads, D]
         if self.arch.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         out = paged_attention_step(q, k, v, *rope, batch, self.cache.keys[idx], self.cache.values[idx],
-                                   scale=self.scale, window=self.layers[idx].window,
-                                   softcap=self.attn_softcap)
+                                   scale=self.scale, window=plan.window, softcap=self.attn_softcap)
         return attn.o_proj(out)
 
-    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        if not self.arch.moe:
-            return mlp(x)
-        out = mlp(x.unsqueeze(0))  # HF's MoE blocks take [B, S, H]
-        return (out[0] if isinstance(out, tuple) else out)[0]
+    def _mlp(self, plan: _LayerPlan, mlp, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] (normed) -> [T, H]: down(act(gate) * up), HF's arithmetic"""
+        if plan.gate_up is None:
+            out = mlp(x.unsqueeze(0))  # HF's MoE blocks take [B, S, H]
+            return (out[0] if isinstance(out, tuple) else out)[0]
+        gate, up = plan.gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        return mlp.down_proj(plan.act(gate) * up)
 
     @torch.inference_mode()
     def hidden_states(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,10 +212,10 @@ class TargetModel:
             a = self._attention(idx, layer.self_attn, layer.input_layernorm(h), rope[plan.rope], batch)
             if self.arch.sandwich_norms:
                 h = h + layer.post_attention_layernorm(a)
-                h = h + layer.post_feedforward_layernorm(self._mlp(layer.mlp, layer.pre_feedforward_layernorm(h)))
+                h = h + layer.post_feedforward_layernorm(self._mlp(plan, layer.mlp, layer.pre_feedforward_layernorm(h)))
             else:
                 h = h + a
-                h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+                h = h + self._mlp(plan, layer.mlp, layer.post_attention_layernorm(h))
         final = model.norm(h)
         features = torch.cat([aux[i] for i in self.feature_layers], dim=-1) if self.feature_layers else final
         return final, features
@@ -191,13 +229,17 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
-                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+                kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ban: TokenBan | None = None) -> TargetOutput:
         """logit_rows: [R] rows of the batch to score; sampling: per row; kv_moves: (src [M],
-        dst [M]) slots copied first -> TargetOutput"""
+        dst [M]) slots copied first; ban: tokens masked on some of the R rows -> TargetOutput"""
         if kv_moves is not None:
             self.cache.move(*(m.to(self.device) for m in kv_moves))
         final, features = self.hidden_states(batch)
         logits = self._logits(final[logit_rows])  # [R, V]
+        if ban is not None:  # before argmax and sampling, as HF's MinNewTokens processor
+            rows, ids = ban.rows.to(logits.device), ban.token_ids.to(logits.device)
+            logits[rows.unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
         sampled = sampling.sampled
         probs = logits.new_zeros((0, logits.shape[1]), dtype=torch.float32)
         if bool(sampled.any()):

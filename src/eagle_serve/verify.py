@@ -13,11 +13,13 @@ hold their sources stay until then.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, ancestor_mask, tree_depths
+from eagle_serve.interfaces import (RaggedBatch, RowSampling, TargetOutput, TokenBan, ancestor_mask,
+                                    tree_depths)
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.requests import Request
 from eagle_serve.workspace import DraftWorkspace
@@ -30,11 +32,15 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rounds: int = 0
+    drafts: int = 0                   # rounds (per request) that verified at least one draft
     preemptions: int = 0
     kv_moves: int = 0                 # target KV positions moved after accepting off a tree's
     #                                   first path
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    queue_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # seconds
+    #                                   from arrival to first admission, of the requests admitted
+    #                                   since a reader (the metrics) last took them
 
 
 @dataclass
@@ -53,6 +59,7 @@ class VerifyBatch:
     sampling: RowSampling             # per scored row
     rows: list[VerifyRows]
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None  # (src, dst) slots, applied first
+    ban: TokenBan | None              # EOS masked on rows below their request's min_tokens
 
 
 @dataclass
@@ -86,21 +93,27 @@ def row_sampling(rows: list[tuple], device) -> RowSampling:
                        int_tensor(seeds, device))
 
 
-def build_verify_batch(reqs: list[Request], pool: PagePool, device) -> VerifyBatch:
+def build_verify_batch(reqs: list[Request], pool: PagePool, device,
+                       eos_token_ids: tuple[int, ...] = ()) -> VerifyBatch:
     """A request that was preempted after emitting tokens recomputes all but its last token and
-    scores nothing this round."""
+    scores nothing this round. A scored row predicts the token `depth` places past the last
+    one (0 for the last real token, a draft's tree depth for a draft); EOS is banned on the
+    rows whose prediction falls below the request's min_tokens."""
     ids, positions, cu, seq_lens, slots, logit_rows, sampling, rows = [], [], [0], [], [], [], [], []
-    masks, src, dst = [], [], []
+    masks, src, dst, banned = [], [], [], []
     for req in reqs:
         start = req.num_computed
         resume = len(req.output) > 0 and start < len(req.tokens) - 1
         real = req.tokens[start:len(req.tokens) - 1 if resume else len(req.tokens)]
         new = real + req.drafts
+        depths = tree_depths(req.parents)
         ids += new
         positions += range(start, start + len(real))
-        positions += [len(req.tokens) - 1 + d for d in tree_depths(req.parents)]
+        positions += [len(req.tokens) - 1 + d for d in depths]
         slots += [pool.slot(req.target_pages, p) for p in range(start, start + len(new))]
         n_logits = 0 if resume else 1 + len(req.drafts)
+        if n_logits and eos_token_ids:
+            banned += [len(logit_rows) + j for j, d in enumerate([0] + depths) if req.eos_banned(d)]
         logit_rows += range(cu[-1] + len(new) - n_logits, cu[-1] + len(new))
         sampling += [req.sampling_row()] * n_logits
         rows.append(VerifyRows(req, cu[-1], len(real), n_logits))
@@ -119,7 +132,8 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device) -> VerifyBat
                         block_tables([r.target_pages for r in reqs], device), t(slots),
                         tree_mask=tree_mask)
     moves = (t(src), t(dst)) if src else None
-    return VerifyBatch(batch, t(logit_rows), row_sampling(sampling, device), rows, moves)
+    ban = TokenBan(t(banned), t(list(eos_token_ids))) if banned else None
+    return VerifyBatch(batch, t(logit_rows), row_sampling(sampling, device), rows, moves, ban)
 
 
 def _verify_mask(num_real: int, parents: list[int]) -> torch.Tensor:
@@ -222,6 +236,7 @@ def _count_round(req: Request, accepted: int, stats: EngineStats) -> None:
     req.num_draft_tokens += len(req.drafts)
     req.num_accepted_tokens += accepted
     stats.rounds += 1
+    stats.drafts += int(bool(req.drafts))
     stats.draft_tokens += len(req.drafts)
     stats.accepted_tokens += accepted
     for j in range(offered):

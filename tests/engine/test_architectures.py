@@ -192,3 +192,21 @@ def test_bf16_verify_passes_reproduce_plain_decoding_bitwise(arch, arch_models, 
     results = engine.generate(seqs, shapes)
     assert [r.token_ids for r in results] == plain
     assert max(r.acceptance_length for r in results) > 1.5
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if not ARCHITECTURES[model_type(a)].moe])
+@torch.inference_mode()
+def test_every_dense_architecture_runs_fused_projections(arch, arch_models, prompts):
+    """q/k/v in one linear and gate/up in one (whatever the GQA sizes): four linears per layer
+    and the LM head per forward, with HF's logits (float64 linears are aten::linear calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder, _ = arch_models(arch)
+    ours = TargetModel(folder, dtype=torch.float64, num_pages=16, page_size=5)
+    seq = prompts[3]
+    batch = rows(PagePool(16, 5), [[]], [seq], [0])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = ours.logits(batch, torch.tensor([len(seq) - 1]))
+    assert {e.key: e.count for e in prof.key_averages()}["aten::linear"] == 4 * ours.num_layers + 1
+    expected = hf_model(folder, arch)(torch.tensor([seq])).logits[0, -1]
+    assert (got[0] - expected).abs().max().item() < TOLERANCE.get(arch, 1e-10)

@@ -4,10 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.cpu_matmul import CpuLinear
-from eagle_serve.target import TargetModel
+from eagle_serve.interfaces import RaggedBatch
+from eagle_serve.kv_pages import PagePool
+from eagle_serve.target import TargetModel, fuse_linears
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
@@ -36,3 +39,62 @@ def test_the_cpu_target_and_drafter_run_cpu_linears_only(tiny_target, eagle3_hea
         kinds = {type(m) for m in model.modules()}
         assert nn.Linear not in kinds and CpuLinear in kinds
     assert target.lm_head.weight.shape == (target.vocab_size, target.config.hidden_size)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linears_compute_their_parts_side_by_side_and_share_their_weights(bias):
+    torch.manual_seed(0)
+    parts = [CpuLinear(nn.Linear(24, out, bias=bias).to(torch.float64)) for out in (40, 8, 8)]
+    x = torch.randn(5, 24, dtype=torch.float64)
+    with torch.inference_mode():
+        expected = torch.cat([p(x) for p in parts], dim=-1)
+        fused = fuse_linears(parts)
+        assert isinstance(fused, CpuLinear) and fused.out_features == 56
+        torch.testing.assert_close(fused(x), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), expected, rtol=0, atol=0)
+    assert parts[1].weight.data_ptr() == fused.weight.data_ptr() + 40 * 24 * 8  # a view, no copy
+    with pytest.raises(ValueError, match="all or no biases"):
+        fuse_linears([CpuLinear(nn.Linear(4, 4)), CpuLinear(nn.Linear(4, 4, bias=False))])
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("widths", [(576, 192, 192), (1536, 1536), (40, 8, 8)])
+def test_a_fused_bf16_linear_gives_a_row_the_same_bits_in_any_batch(widths):
+    """What the bitwise verify == decode guarantee rests on, for the fused GEMM shapes (SmolLM2's
+    q/k/v and gate/up, and a tiny model's): row r alone, and among 2 .. 20 rows, equal bitwise."""
+    torch.manual_seed(0)
+    fused = fuse_linears([CpuLinear(nn.Linear(576, w, bias=False).to(torch.bfloat16)) for w in widths])
+    x = torch.randn(20, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([fused(x[r:r + 1]) for r in range(20)])
+        for rows in range(2, 21):
+            assert torch.equal(fused(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_a_target_forward_runs_four_linears_per_layer_and_the_lm_head(tiny_target):
+    """q/k/v fused, o, gate/up fused, down (float64 linears are aten::linear calls)."""
+    target = TargetModel(tiny_target, dtype=torch.float64, num_pages=8, page_size=4)
+    pool, table = PagePool(8, 4), []
+    pool.grow(table, 3)
+    batch = RaggedBatch(torch.tensor([5, 6, 7]), torch.arange(3), torch.tensor([0, 3]), torch.tensor([3]),
+                        torch.tensor([table]), torch.tensor([pool.slot(table, p) for p in range(3)]))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        target.logits(batch, torch.tensor([2]))
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls["aten::linear"] == 4 * target.num_layers + 1
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_single_bf16_row_gets_its_two_row_bits_in_and_out_of_inference_mode():
+    """The padded single row runs through a reused buffer: it must not keep an old row's values
+    or refuse writes in either mode."""
+    torch.manual_seed(0)
+    linear = CpuLinear(nn.Linear(48, 24).to(torch.bfloat16))
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        pair = linear(x[:2])
+        first = linear(x[:1])
+    with torch.no_grad():
+        second = linear(x[1])
+    assert torch.equal(first, pair[:1]) and torch.equal(second, pair[1])
+    assert torch.equal(linear(x[:1]), pair[:1])

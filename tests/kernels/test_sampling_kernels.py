@@ -37,6 +37,20 @@ def test_probs_kernel_matches_the_reference_at_vocab_49152(top_k, top_p):
     assert_probs_close(compute_probs(*args, impl="triton"), compute_probs_ref(*args))
 
 
+def test_probs_kernel_gives_masked_tokens_zero_and_matches_the_reference():
+    """Logits at -inf (EOS below a request's min_tokens) drop out before top-k and top-p."""
+    torch.manual_seed(2)
+    logits = torch.randn(5, 111) * 3
+    banned = torch.tensor([0, 7, 42])
+    logits[:, banned] = float("-inf")
+    args = (logits, torch.tensor([1.0, 0.3, 2.0, 0.7, 1.0]), torch.tensor([0, 5, 108, 110, 1]),
+            torch.tensor([1.0, 0.9, 0.5, 0.95, 1.0]))
+    probs = compute_probs(*args, impl="triton")
+    assert_probs_close(probs, compute_probs_ref(*args))
+    assert float(probs[:, banned].abs().sum()) == 0.0
+    assert torch.allclose(probs.sum(dim=1), torch.ones(5))
+
+
 def test_probs_kernel_keeps_the_right_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
     probs = compute_probs(logits, torch.ones(3), torch.tensor([2, 0, 0]),

@@ -1,13 +1,13 @@
 """Triton model `preprocess`: text_input (+ apply_chat_template) -> input_ids [1, L].
 
 Per-request errors (not UTF-8, empty, over `max_input_bytes`, batch size > 1) go back to that
-client only; the checks and the encoding are triton_utils.prompt_ids, which spec_decode's direct
-path shares.
+client only. A request without apply_chat_template gets spec_decode's setting of that name.
+The checks and the encoding are triton_utils.prompt_ids, which spec_decode's direct path shares.
 """
 import json
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.settings import tokenizer_dir
+from eagle_serve.settings import chat_template_default, tokenizer_dir
 from eagle_serve.tokenization import load_tokenizer
 
 
@@ -17,10 +17,12 @@ class TritonPythonModel:
         folder = tokenizer_dir(params.get("tokenizer_dir", "target"), tu.repository_dir(args))
         self.tokenizer = load_tokenizer(folder)
         self.max_input_bytes = int(params.get("max_input_bytes", 65536))
+        self.apply_chat_template = chat_template_default(tu.repository_dir(args))
 
     def execute(self, requests):
         return tu.respond_each(requests, self.encode)
 
     def encode(self, request):
-        ids = tu.prompt_ids(request, self.tokenizer, self.max_input_bytes)
+        ids = tu.prompt_ids(request, self.tokenizer, self.max_input_bytes,
+                            apply_chat_template=self.apply_chat_template)
         return [tu.ids_tensor("input_ids", ids)]

@@ -32,10 +32,11 @@ class TritonPythonModel:
         engine = Engine(target, drafter, EngineConfig.from_settings(settings, eos_token_ids(target_dir)),
                         tokenizer=load_tokenizer(target_dir), device=device)
         log_warmup("spec_decode", warm_engine(engine))  # GPU kernels compiled before any request
-        metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens)
+        metrics = EngineMetrics(pb_utils, settings.max_speculative_tokens, model_name=target_dir.name)
         self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes,
                                          draft_timeout_s=settings.model_call_timeout_s,
-                                         on_broken=tu.stop_server)
+                                         on_broken=tu.stop_server,
+                                         apply_chat_template=settings.apply_chat_template)
 
     def execute(self, requests):
         for request in requests:
