@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from eagle_serve import paths
 from eagle_serve.client import grpc_generate, metrics
+from eagle_serve.requests import acceptance_length
 
 SERVER_MODES = ("vanilla", "eagle")
 HF_MODES = ("hf", "hf-lookup")
@@ -94,11 +95,6 @@ def is_eagle(mode: str) -> bool:
     return mode == "eagle" or mode.startswith("eagle-")
 
 
-def load_prompts(path: str) -> list[str]:
-    with open(path) as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
 @dataclass
 class Run:
     """Requests of one mode at one concurrency."""
@@ -116,7 +112,7 @@ class Run:
         drafts, rounds = self.counters.get("num_draft_tokens", 0), self.counters.get("num_rounds", 0)
         accepted = self.counters.get("num_accepted_tokens", 0)
         out = {"tokens_per_s": self.num_tokens / self.wall_s,
-               "acceptance_length": (accepted + rounds) / rounds if drafts and rounds else None,
+               "acceptance_length": acceptance_length(accepted, rounds) if drafts else None,
                "num_requests": len(self.outputs), "num_output_tokens": self.num_tokens,
                "wall_s": self.wall_s}
         if self.ttft_s:
@@ -374,7 +370,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompts = load_prompts(args.prompts)
+    prompts = paths.read_prompts(args.prompts)
     if not prompts:
         raise SystemExit(f"bench: no prompts in {args.prompts}")
     result = bench(args, prompts)

@@ -13,23 +13,21 @@ the machine is not cancelled out: compare shapes with speedup_curve.py, use this
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
-import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eagle_serve.client import grpc_generate  # noqa: E402
-from speedup_curve import parse_config  # noqa: E402
+from eagle_serve.client import grpc_generate, metrics
+from eagle_serve.paths import read_prompts
+from eagle_serve.requests import acceptance_length
+from speedup_curve import parse_config  # this script's folder is on sys.path
 
 METRIC = re.compile(r'(nv_inference_(?:compute_infer_duration_us|request_duration_us|count))'
-                    r'\{model="(\w+)".*\} (\S+)')
+                    r'\{model="(\w+)"')
 
 
-def metrics(url: str) -> dict:
-    text = urllib.request.urlopen(f"http://{url}/metrics").read().decode()
-    return {(m.group(1), m.group(2)): float(m.group(3)) for m in map(METRIC.match, text.splitlines()) if m}
+def model_metrics(url: str) -> dict[tuple[str, str], float]:
+    """{(metric, model): value} of Triton's per-model counters used here."""
+    return {(m.group(1), m.group(2)): value for key, value in metrics(url).items()
+            if (m := METRIC.match(key))}
 
 
 def main(argv=None) -> None:
@@ -41,19 +39,19 @@ def main(argv=None) -> None:
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--metrics-url", default="localhost:8002")
     args = p.parse_args(argv)
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()
-               if line.strip()][:args.num_prompts]
+    prompts = read_prompts(args.prompts)[:args.num_prompts]
     for c in args.configs:  # warm-up, untimed
         grpc_generate(args.url, prompts[0], max_tokens=8, **parse_config(c))
     for c in args.configs:
-        before, tokens, seconds, rounds = metrics(args.metrics_url), 0, 0.0, 0
+        before, tokens, seconds, rounds, accepted = model_metrics(args.metrics_url), 0, 0.0, 0, 0
         for prompt in prompts:
             gen = grpc_generate(args.url, prompt, max_tokens=args.max_tokens, **parse_config(c))
             tokens, seconds = tokens + len(gen.output_ids), seconds + gen.latency_s
             rounds += gen.counters.get("num_rounds", 0)
-        after = metrics(args.metrics_url)
+            accepted += gen.counters.get("num_accepted_tokens", 0)
+        after = model_metrics(args.metrics_url)
         d = {k: v - before.get(k, 0.0) for k, v in after.items()}
-        print(f"{c:>8}: {tokens / seconds:6.2f} tokens/s  tau {tokens / max(rounds, 1):.2f}  "
+        print(f"{c:>8}: {tokens / seconds:6.2f} tokens/s  tau {acceptance_length(accepted, rounds):.2f}  "
               f"{1e3 * seconds / max(rounds, 1):5.1f} ms/round")
         for model in ("eagle_target", "eagle_drafter"):
             n = d.get(("nv_inference_count", model), 0.0)

@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as futures
 import json
-import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eagle_serve.client import grpc_generate, metrics  # noqa: E402
-from eagle_serve.lookup import SOURCES  # noqa: E402
+from eagle_serve.client import grpc_generate, metrics
+from eagle_serve.lookup import SOURCES
+from eagle_serve.paths import read_prompts
+from eagle_serve.requests import acceptance_length
 
 
 NAMED = {"default": {},                                              # the server's defaults
@@ -82,7 +82,7 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     for c, t in totals.items():
         tps = t["tokens"] / t["seconds"]
         out[c] = {**t, "tokens_per_s": round(tps, 2), "speedup": round(tps / base, 3),
-                  "tau": round((t["accepted"] + t["rounds"]) / t["rounds"], 3) if t["rounds"] else 1.0}
+                  "tau": round(acceptance_length(t["accepted"], t["rounds"]), 3)}
     return out
 
 
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.title = args.title or (f"speculative vs plain decoding, {args.concurrency} stream(s), "
                                 + (f"temperature {args.temperature}" if args.temperature else "greedy"))
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = read_prompts(args.prompts)
     before = source_counts(args.metrics_url) if args.metrics_url else None
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
                       {"temperature": args.temperature} if args.temperature else None)

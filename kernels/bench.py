@@ -13,7 +13,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from kernels.paged_attention import paged_attention, write_kv  # noqa: E402
-from kernels.prepare_inputs import prepare_inputs  # noqa: E402
 from kernels.rejection import greedy_accept, random_accept  # noqa: E402
 from kernels.sampling import DRAFT, compute_probs, sample  # noqa: E402
 from kernels.workspace import gather_rows, scatter_rows  # noqa: E402
@@ -50,8 +49,6 @@ def cases(device: str, small: bool = False) -> list[Case]:
     drafts_greedy = argmax[flat + flat // k]  # every draft matches: the longest walk
     store = torch.zeros(2 * n_drafts, vocab, device=device)
     slots = torch.randperm(2 * n_drafts, generator=gen, device=device)[:n_drafts]
-    rejected = torch.randint(0, k + 1, (reqs,), generator=gen, device=device)
-    cu_verify = torch.arange(0, reqs * (k + 1) + 1, k + 1, device=device)
 
     q_heads, kv_heads, head_dim, page = (6, 2, 40, 5) if small else (32, 8, 128, 16)
     context = 37 if small else 2048
@@ -85,7 +82,6 @@ def cases(device: str, small: bool = False) -> list[Case]:
         ("scatter_rows (draft probs)",
          lambda impl: scatter_rows(store, slots, draft_probs, impl=impl)),
         ("gather_rows (draft probs)", lambda impl: gather_rows(store, slots, impl=impl)),
-        ("prepare_inputs", lambda impl: prepare_inputs(cu_verify, rejected, impl=impl)),
         ("write_kv", lambda impl: write_kv(new_k, new_k, k_cache, v_cache, new_slots, impl=impl)),
         ("paged_attention decode", attention(1, tree=False)),
         (f"paged_attention verify ({k + 1} queries)", attention(k + 1, tree=False)),

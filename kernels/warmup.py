@@ -14,7 +14,6 @@ model: the model's own KV cache and workspace tensors (read, or written with ski
 only), its vocabulary and dtypes. Each process warms what it launches: `warm_target` in
 eagle_target, `warm_drafter` in eagle_drafter, `warm_engine` in spec_decode. On CPU they do
 nothing (the references run there) unless `force=True` (the tests, under TRITON_INTERPRET=1).
-kernels.prepare_inputs is not warmed: the served path does not call it.
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()  # before any channel exists: gRPC's own threads must yield to gevent
 
-import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
@@ -31,10 +30,11 @@ from urllib.parse import urlparse  # noqa: E402
 from locust import HttpUser, User, between, task  # noqa: E402
 
 from eagle_serve.client import grpc_generate, request_body  # noqa: E402
+from eagle_serve.paths import read_prompts  # noqa: E402
 
 TIMEOUT_S = 300.0
 PROMPTS_FILE = Path(os.environ.get("LOCUST_PROMPTS", Path(__file__).with_name("prompts.jsonl")))
-PROMPTS = [json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
+PROMPTS = read_prompts(PROMPTS_FILE)
 
 
 def random_request(rng: random.Random) -> tuple[str, dict]:

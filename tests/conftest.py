@@ -2,7 +2,8 @@
 starts (once per name and session) the real tritonserver on a copy of model_repository/ and
 returns a `server.TritonServer` (http_url, grpc_url, metrics_url, log_path, repo). A failing
 test that used one gets the tail of its log in the report. `tiny_models` are the float64 tiny
-Llama and its random heads that `server.tiny_server` serves (exact greedy equality holds).
+Llama (with the default model's tokenizer) and its random heads that `server.tiny_server`
+serves (exact greedy equality holds).
 """
 import os
 
@@ -15,10 +16,11 @@ from server import ServerPool, TritonServer  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
+    from eagle_serve import paths
     from eagle_serve.testing import make_random_head, make_tiny_llama
 
     root = tmp_path_factory.mktemp("served-models")
-    target = make_tiny_llama(root / "tiny-llama")
+    target = make_tiny_llama(root / "tiny-llama", tokenizer_from=paths.default_target_dir())
     return {"target": target,
             "eagle3": make_random_head(root / "eagle3", target, 3, draft_vocab_size=8192),
             "eagle1": make_random_head(root / "eagle1", target, 1, fc_bias=True, fmt="bin")}

@@ -12,11 +12,14 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from eagle_serve import paths
 from eagle_serve.repo_config import copy_repository
@@ -181,3 +184,46 @@ def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str, name:
 # confidence limits would leave one draft per round.
 CHAINS = {"draft_topk": "1", "draft_depth": "0", "max_tree_batch": "0",
           "draft_min_prob": "0", "draft_expand_prob": "0"}
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.5,
+               ignore: tuple[type[BaseException], ...] = (OSError,)) -> bool:
+    """Poll `predicate` until it holds (-> True) or `timeout_s` passes (-> False); the errors in
+    `ignore` (a server not listening yet) count as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except ignore:
+            pass
+        time.sleep(every_s)
+    return False
+
+
+@contextmanager
+def serve_tiny(tmp_path: Path, tiny_models: dict[str, Path], openai: bool = False):
+    """`python -m eagle_serve.serve` (what `make serve` runs: the supervised tritonserver, and
+    the OpenAI server if `openai`) on the float64 tiny model with k = 2, not waited for ->
+    its process, with .http and .grpc (host:port), .openai_port and .log_path; its process
+    group is killed at the end."""
+    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", None, {"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+        "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
+        "num_target_pages": "256", "num_drafter_pages": "256"}})
+    http, grpc, metrics_port, openai_port = free_ports(4)
+    env = server_environment() | {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
+                                  "METRICS_PORT": str(metrics_port), "OPENAI_PORT": str(openai_port)}
+    cmd = [sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo)]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd + ([] if openai else ["--no-openai"]), env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc.http, proc.grpc = f"localhost:{http}", f"localhost:{grpc}"
+    proc.openai_port, proc.log_path = openai_port, log_path
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

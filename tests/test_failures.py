@@ -1,64 +1,26 @@
 """Model-process death and shutdown, through the supervised server `make serve` runs."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import psutil
 import pytest
 
-from eagle_serve import paths
 from eagle_serve.client import grpc_generate, http_generate
-from eagle_serve.repo_config import copy_repository
-from eagle_serve.serve import server_environment
-from server import free_ports
+from eagle_serve.processes import model_processes
+from server import serve_tiny, wait_until
 
 pytestmark = pytest.mark.server
 
 
 @pytest.fixture
 def supervised(tmp_path, tiny_models):
-    """`python -m eagle_serve.serve` (what `make serve` runs) on the tiny float64 model."""
-    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", None, {"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
-        "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
-        "num_target_pages": "256", "num_drafter_pages": "256"}})
-    http, grpc, metrics_port = free_ports(3)
-    env = server_environment() | {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics_port)}
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo),
-                             "--no-openai"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    proc.http, proc.grpc, proc.log_path = f"localhost:{http}", f"localhost:{grpc}", tmp_path / "serve.log"
-    assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
-    yield proc
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    log.close()
-
-
-def wait_until(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return True
-        except OSError:
-            pass
-        time.sleep(every_s)
-    return False
-
-
-def stub_of(supervisor: subprocess.Popen, model: str) -> psutil.Process:
-    for proc in psutil.Process(supervisor.pid).children(recursive=True):
-        if f"/{model}/1/model.py" in " ".join(proc.cmdline()):
-            return proc
-    raise AssertionError(f"no stub for {model}")
+    """`python -m eagle_serve.serve` (what `make serve` runs) on the tiny float64 model, answering."""
+    with serve_tiny(tmp_path, tiny_models) as proc:
+        assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
+        yield proc
 
 
 def long_stream(proc, out: dict) -> threading.Thread:
@@ -77,7 +39,7 @@ def test_a_dead_model_process_fails_requests_fast_and_the_server_comes_back(supe
     out: dict = {}
     thread = long_stream(supervised, out)
     killed_at = time.monotonic()
-    stub_of(supervised, model).kill()
+    model_processes(psutil.Process(supervised.pid))[model].kill()
     thread.join(60)
     assert out["at"] - killed_at < 10
     assert out["result"].error is not None and "not healthy" in out["result"].error

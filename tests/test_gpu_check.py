@@ -17,7 +17,7 @@ def test_gpu_check_runs_its_cpu_parts_and_passes(tiny_models, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "no GPU" in out and "skipped (nothing to compile on CPU)" in out
-    assert out.count(" ok") == 10 and "FAIL" not in out
+    assert out.count(" ok") == 9 and "FAIL" not in out
     assert "outputs identical to k=0: 2/2" in out
     assert "attention: 1 query alone vs beside 20 (another tile)" in out
     assert out.rstrip().endswith("gpu-check: passed")

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import urllib.request
 
 import psutil
 import pytest
 
 from eagle_serve import paths
+from eagle_serve.processes import model_processes
 from eagle_serve.repo_config import copy_repository
-from server import free_ports, launch
+from server import free_ports, launch, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -21,15 +21,6 @@ pytestmark = pytest.mark.server
 def health(http_port: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "eagle_serve.health", "--http-port", str(http_port)],
                           capture_output=True, text=True, timeout=60)
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def ready_status(http_port: int) -> int | None:
@@ -47,9 +38,7 @@ def test_health_fails_once_a_model_process_is_dead(tmp_path):
     try:
         healthy = health(server.http_port)
         assert healthy.returncode == 0, healthy.stderr
-        stub = next(p for p in psutil.Process(server.process.pid).children(recursive=True)
-                    if "/postprocess/1/model.py" in " ".join(p.cmdline()))
-        stub.kill()
+        model_processes(psutil.Process(server.process.pid))["postprocess"].kill()
         assert wait_until(lambda: health(server.http_port).returncode == 1, 60)
         assert "postprocess" in health(server.http_port).stderr
         print("/v2/health/ready after the stub died:", ready_status(server.http_port))

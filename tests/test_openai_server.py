@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -22,12 +20,10 @@ import openai
 import psutil
 import pytest
 
-from eagle_serve import paths
 from eagle_serve.client import grpc_generate, metrics
-from eagle_serve.repo_config import copy_repository
-from eagle_serve.serve import server_environment
 from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
-from server import TritonServer, free_ports, tiny_server
+from server import TritonServer, free_ports, serve_tiny, tiny_server
+from server import wait_until as server_wait_until
 from test_reliability import tight_server
 
 pytestmark = pytest.mark.server
@@ -69,15 +65,8 @@ def get(url: str) -> tuple[int, str]:
 
 
 def wait_until(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return True
-        except (OSError, openai.APIError):  # not listening yet, or 503 while Triton starts
-            pass
-        time.sleep(every_s)
-    return False
+    """server.wait_until, where a 503 while Triton starts also means not yet."""
+    return server_wait_until(predicate, timeout_s, every_s, ignore=(OSError, openai.APIError))
 
 
 def launch_openai(triton: TritonServer, log_path: Path) -> OpenAIServer:
@@ -312,21 +301,8 @@ def test_a_full_engine_answers_503_server_busy(triton_server, tiny_models, tmp_p
 @pytest.fixture
 def served(tmp_path, tiny_models):
     """`python -m eagle_serve.serve` (what `make serve` runs) with the OpenAI server beside it."""
-    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", None, {"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
-        "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
-        "num_target_pages": "256", "num_drafter_pages": "256"}})
-    http, grpc, metrics_port, port = free_ports(4)
-    env = server_environment() | {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
-                                  "METRICS_PORT": str(metrics_port), "OPENAI_PORT": str(port)}
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    yield proc, OpenAIServer(proc, port, tmp_path / "serve.log")
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    log.close()
+    with serve_tiny(tmp_path, tiny_models, openai=True) as proc:
+        yield proc, OpenAIServer(proc, proc.openai_port, proc.log_path)
 
 
 def child_running(parent: subprocess.Popen, needle: str) -> psutil.Process | None:

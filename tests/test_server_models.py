@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eagle_serve import paths
 from eagle_serve.client import grpc_generate
 from eagle_serve.heads import random_head
 from eagle_serve.target import load_target_config
-from eagle_serve.testing import make_tiny_target, write_head_layout
+from eagle_serve.testing import hf_generate_greedy, make_tiny_target, write_head_layout
 from eagle_serve.tokenization import encode_prompt
 from server import CHAINS
 
@@ -22,7 +23,8 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
 @pytest.fixture(scope="module")
 def qwen3_server(triton_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3")
-    target = make_tiny_target(root / "tiny-qwen3", "qwen3", dtype=torch.float32)
+    target = make_tiny_target(root / "tiny-qwen3", "qwen3", dtype=torch.float32,
+                              tokenizer_from=paths.default_target_dir())
     head = random_head(load_target_config(target), 3, 8192, d2t=torch.arange(8192), num_layers=2,
                        qk_norm=True, norm_before_residual=True)
     head_dir = write_head_layout(head, root / "speculator.eagle3", "speculators", target)
@@ -38,9 +40,7 @@ def test_a_qwen3_target_with_a_speculators_head_serves_hf_greedy_output_with_and
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     for prompt in PROMPTS:
-        ids = torch.tensor([encode_prompt(tokenizer, prompt)])
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                               max_new_tokens=20, min_new_tokens=20)[0, ids.shape[1]:].tolist()
+        expected = hf_generate_greedy(hf, encode_prompt(tokenizer, prompt), 20)
         outputs = {}
         for k, shape in ((0, {}), (3, {}), (6, dict(draft_topk=2, draft_depth=3))):
             got = grpc_generate(server.grpc_url, prompt, max_tokens=20, stream=True, ignore_eos=True,

@@ -117,6 +117,7 @@ def test_streamed_and_whole_answers_end_with_exactly_one_final(pb, tiny_models):
     (dict(text_input=np.array([[b"hi"]], object), stop=np.array([[b"x" * 3000, b"y" * 3000]], object)),
      "at most 4096 bytes"),
     (dict(max_tokens=np.array([[4]], np.int32)), "send text_input (or input_ids)"),
+    (dict(text_input=np.array([[b""]], object)), "input 'text_input' is empty"),  # as preprocess says
 ])
 def test_a_bad_request_gets_one_error_final_and_the_next_one_is_served(pb, tiny_models, inputs, message):
     service, _ = make_service(pb, tiny_models)

@@ -4,6 +4,8 @@ import pytest
 
 import fake_pb
 from eagle_serve import triton_utils as tu
+from eagle_serve.testing import write_tiny_tokenizer
+from eagle_serve.tokenization import encode_prompt, load_tokenizer
 
 
 @pytest.fixture
@@ -51,6 +53,40 @@ def test_texts_reads_every_string_of_a_list_input(pb_utils):
     r = request(stop=np.array([[b"\n\n", "ñ".encode()]], object))
     assert tu.texts(r, "stop") == ["\n\n", "ñ"]
     assert tu.texts(request(), "stop") == []
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(write_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"), 512))
+
+
+def test_prompt_ids_encode_text_input_through_the_chat_template_unless_told_not_to(pb_utils, tokenizer):
+    text = np.array([[b"Hi there"]], object)
+    assert tu.prompt_ids(request(text_input=text), tokenizer, 100) == encode_prompt(tokenizer, "Hi there")
+    raw = request(text_input=text, apply_chat_template=np.array([[False]]))
+    assert tu.prompt_ids(raw, tokenizer, 100) == encode_prompt(tokenizer, "Hi there", False)
+    assert tu.prompt_ids(request(), tokenizer, 100, required=False) is None
+    raw_by_default = tu.prompt_ids(request(text_input=text), tokenizer, 100, apply_chat_template=False)
+    assert raw_by_default == encode_prompt(tokenizer, "Hi there", False)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({}, "input 'text_input' is required"),
+    (dict(text_input=np.array([[b""]], object)), "input 'text_input' is empty"),
+    (dict(text_input=np.array([[b"hello"]], object)), "has 5 bytes, more than the limit of 4"),
+    (dict(text_input=np.array([[b"\xff"]], object)), "not valid UTF-8"),
+])
+def test_bad_text_input_is_a_request_error_naming_what_is_wrong(pb_utils, tokenizer, inputs, message):
+    with pytest.raises(tu.RequestError, match=message):
+        tu.prompt_ids(request(**inputs), tokenizer, 4)
+
+
+def test_a_tokenizer_without_a_chat_template_takes_raw_prompts_only(pb_utils, tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    with pytest.raises(tu.RequestError, match="no chat template: send apply_chat_template=false"):
+        tu.prompt_ids(request(text_input=np.array([[b"Hi"]], object)), tokenizer, 100)
+    raw = request(text_input=np.array([[b"Hi"]], object), apply_chat_template=np.array([[False]]))
+    assert tu.prompt_ids(raw, tokenizer, 100) == encode_prompt(tokenizer, "Hi", False)
 
 
 def test_output_tensors_carry_a_batch_dimension_of_one(pb_utils):

@@ -91,11 +91,14 @@ class ModelCallError(RuntimeError):
 
 
 class _BlsModel:
-    def __init__(self, pb, model_name: str, device, key: str, timeout_s: float = 0.0):
-        self.pb, self.model_name, self.device = pb, model_name, torch.device(device)
-        self.key, self.timeout_s = key, timeout_s
+    MODEL_NAME = ""
+
+    def __init__(self, pb, vocab_size: int, device="cpu", *, key: str, timeout_s: float = 0.0):
+        """vocab_size: the target's."""
+        self.pb, self.model_name, self.device = pb, self.MODEL_NAME, torch.device(device)
+        self.vocab_size, self.key, self.timeout_s = vocab_size, key, timeout_s
         self.epoch: int | None = None
-        self._caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"bls-{model_name}")
+        self._caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"bls-{self.MODEL_NAME}")
 
     def call(self, inputs: list, outputs: list[str]) -> dict[str, torch.Tensor]:
         pb = self.pb
@@ -131,10 +134,7 @@ class _BlsModel:
 
 
 class BlsTarget(_BlsModel):
-    def __init__(self, pb, vocab_size: int, device="cpu", *, key: str, timeout_s: float = 0.0,
-                 model_name: str = "eagle_target"):
-        super().__init__(pb, model_name, device, key, timeout_s)
-        self.vocab_size = vocab_size
+    MODEL_NAME = "eagle_target"
 
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
                 kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -153,10 +153,7 @@ class BlsTarget(_BlsModel):
 
 
 class BlsDrafter(_BlsModel):
-    def __init__(self, pb, vocab_size: int, device="cpu", *, key: str, timeout_s: float = 0.0,
-                 model_name: str = "eagle_drafter"):
-        super().__init__(pb, model_name, device, key, timeout_s)
-        self.vocab_size = vocab_size
+    MODEL_NAME = "eagle_drafter"
 
     def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
                 sampling: RowSampling) -> DraftOutput:

@@ -35,7 +35,7 @@ from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import use_cpu_linears
 from eagle_serve.drafter import Drafter
-from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec, random_head
+from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec
 from eagle_serve.target import load_target_config
 
 
@@ -225,11 +225,3 @@ def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",
         torch.save(state, folder / "pytorch_model.bin")
     return folder
 
-
-def write_random_eagle3_head(dest: Path, target_dir: Path, draft_vocab_size: int, seed: int = 0):
-    """Seeded random EAGLE-3 head whose draft vocabulary is the first `draft_vocab_size` ids."""
-    head = random_head(load_target_config(target_dir), 3, draft_vocab_size, seed=seed)
-    tmp = dest.with_name(dest.name + ".tmp")
-    save_head(head, tmp)
-    tmp.rename(dest)
-    return dest

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eagle_serve.requests import acceptance_length
+
 # name -> (triton dtype, numpy dtype) of the optional ensemble inputs
 PARAMS = {
     "max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32),
@@ -43,8 +45,8 @@ class Generation:
 
     @property
     def acceptance_length(self) -> float:
-        rounds = self.counters.get("num_rounds", 0)
-        return (self.counters.get("num_accepted_tokens", 0) + rounds) / rounds if rounds else 0.0
+        return acceptance_length(self.counters.get("num_accepted_tokens", 0),
+                                 self.counters.get("num_rounds", 0))
 
     def add(self, text: str, ids: list[int], counters: dict[str, int], finish_reason: str,
             started: float) -> None:

@@ -21,11 +21,9 @@ or with --require-identical when an output differs (see docs/gpu.md for what hol
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -38,10 +36,9 @@ from eagle_serve.local import build_local_engine  # noqa: E402
 from eagle_serve.requests import SamplingParams  # noqa: E402
 from eagle_serve.settings import EngineConfig, ServingSettings  # noqa: E402
 from eagle_serve.tokenization import encode_prompt, eos_token_ids, load_tokenizer  # noqa: E402
-from kernels import paged_attention as pa, prepare_inputs as pi, rejection as rj  # noqa: E402
+from kernels import paged_attention as pa, rejection as rj  # noqa: E402
 from kernels import sampling as sm, warmup, workspace as ws  # noqa: E402
 
-PROMPTS = paths.REPO_ROOT / "clients" / "prompts" / "heldout.jsonl"
 GPU_CONFIG = paths.REPO_ROOT / "model_repository" / "spec_decode" / "configs" / "gpu.pbtxt"
 KERNELS = (pa._write_kv_kernel, pa._paged_attention_kernel, sm._probs_kernel, sm._sample_kernel,
            rj._greedy_accept_kernel, rj._recover_kernel, rj._random_accept_kernel,
@@ -140,9 +137,6 @@ def kernel_checks(q_heads, kv_heads, head_dim, vocab, dtype, device) -> dict[str
     ws.scatter_rows_ref(stores[1], slots, rows)
     exact("scatter_rows / gather_rows", [stores[0], ws.gather_rows_triton(stores[0], slots)],
           [stores[1], ws.gather_rows_ref(stores[1], slots)])
-    cu_v, rejected = torch.tensor([0, 4, 5, 9], device=device), torch.tensor([2, 0, 4], device=device)
-    exact("prepare_inputs", pi.prepare_inputs_triton(cu_v, rejected),
-          [t.to(device) for t in pi.prepare_inputs_ref(cu_v.cpu(), rejected.cpu())])
     return out
 
 
@@ -226,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {name:52s} {value:.3g}")
 
     tokenizer = load_tokenizer(args.target)
-    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:args.num_prompts]]
+    texts = paths.read_prompts(paths.HELDOUT_PROMPTS)[:args.num_prompts]
     prompts = [encode_prompt(tokenizer, text) for text in texts]
     before = compiled_count(device)
     results = engine_comparison(engine, prompts, args.max_tokens)

@@ -17,29 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from eagle_serve.supervisor import missing_stubs, python_models, ready
-
-DEFAULT_HTTP_PORT = 8000  # tritonserver's, when the command line names none
-
-
-def flag(cmdline: list[str], name: str) -> str | None:
-    """The value of `--name=value` or `--name value` in a command line."""
-    for i, arg in enumerate(cmdline):
-        if arg.startswith(f"{name}="):
-            return arg.split("=", 1)[1]
-        if arg == name and i + 1 < len(cmdline):
-            return cmdline[i + 1]
-    return None
-
-
-def find_server(http_port: int) -> psutil.Process | None:
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if not cmdline or Path(cmdline[0]).name != "tritonserver":
-            continue
-        if int(flag(cmdline, "--http-port") or DEFAULT_HTTP_PORT) == http_port:
-            return proc
-    return None
+from eagle_serve.processes import DEFAULT_HTTP_PORT, find_server, flag, missing_stubs, python_models
+from eagle_serve.supervisor import ready
 
 
 def problems(http_port: int) -> list[str]:
@@ -53,7 +32,7 @@ def problems(http_port: int) -> list[str]:
         repo = Path(flag(server.cmdline(), "--model-repository") or "")
     except psutil.NoSuchProcess:
         return ["tritonserver exited"]
-    dead = missing_stubs(server, repo, python_models(repo))
+    dead = missing_stubs(server, python_models(repo))
     return [f"model process(es) not running: {', '.join(dead)}"] if dead else []
 
 

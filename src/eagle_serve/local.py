@@ -5,14 +5,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.engine import Engine
 from eagle_serve.lookup import load_corpus_index
 from eagle_serve.target import TargetModel
 from eagle_serve.settings import CORPUS_INDEX_FILE, EngineConfig, ServingSettings, torch_dtype
-from eagle_serve.tokenization import eos_token_ids
+from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 
 
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *,
@@ -33,7 +32,7 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
     target = TargetModel(target_dir, dtype=dtype, device=device, num_pages=config.num_target_pages,
                          page_size=config.page_size,
                          feature_layers=drafter.feature_layers if drafter else None)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = load_tokenizer(target_dir)
     if corpus == "default":
         corpus = drafter_dir and Path(drafter_dir) / CORPUS_INDEX_FILE
         corpus = corpus if corpus and corpus.exists() else None

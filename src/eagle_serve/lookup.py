@@ -241,10 +241,9 @@ def main(argv=None) -> None:
     build.add_argument("--out", type=Path, required=True)
     build.add_argument("--max-n", type=int, default=3)
     args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
     from eagle_serve import paths
-    tokenizer = AutoTokenizer.from_pretrained(paths.resolve_model_path(args.target, Path.cwd()))
+    from eagle_serve.tokenization import load_tokenizer
+    tokenizer = load_tokenizer(paths.resolve_model_path(args.target, Path.cwd()))
     records = [r for folder in args.corpus for r in read_corpus(folder)]
     check_corpus_tokenizer(records, tokenizer)
     index = CorpusIndex.build([(r.prompt_ids, r.output_ids) for r in records], len(tokenizer),

@@ -1,16 +1,18 @@
-"""Where things live on disk: the cache folder, the default model folders, the server tree.
+"""Where things live on disk: the cache folder, the default model folders, the server tree, and
+the prompt files (JSONL, one `{"prompt": "..."}` a line) with their one reader.
 
-Knows nothing about models or Triton; only resolves names. `EAGLE_CACHE` overrides the cache
-folder (default: `.cache/` in the repository root).
+Knows nothing about models or Triton. `EAGLE_CACHE` overrides the cache folder (default:
+`.cache/` in the repository root).
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_RANDOM_DRAFTER_NAME = "eagle3-random-SmolLM2-135M"
+HELDOUT_PROMPTS = REPO_ROOT / "clients" / "prompts" / "heldout.jsonl"  # never trained on
 
 
 def cache_dir() -> Path:
@@ -26,11 +28,8 @@ def default_target_dir() -> Path:
 
 
 def default_drafter_dir() -> Path:
-    """The trained head shipped in the repository if present, else the seeded random one."""
-    shipped = REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct"
-    if (shipped / "config.json").exists():
-        return shipped
-    return models_dir() / DEFAULT_RANDOM_DRAFTER_NAME
+    """The EAGLE-3 head trained for the default target, shipped in the repository."""
+    return REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct"
 
 
 def tritonserver_dir() -> Path:
@@ -47,3 +46,9 @@ def resolve_model_path(value: str, base: Path | None = None) -> Path:
     if not path.is_absolute():
         path = (base or REPO_ROOT) / path
     return path.resolve()
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a JSONL file, one `{"prompt": "..."}` a line (blank lines skipped)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]

@@ -30,7 +30,7 @@ from eagle_serve.engine import Engine, EngineBusy
 from eagle_serve.requests import RequestOutput, SamplingParams
 from eagle_serve.interfaces import ModelUnavailable
 from eagle_serve.metrics import EngineMetrics
-from eagle_serve.tokenization import decode, decode_delta, detok_window, encode_prompt
+from eagle_serve.tokenization import decode, decode_delta, detok_window
 
 
 class _Stream:
@@ -107,12 +107,10 @@ def read_request(request, tokenizer, max_input_bytes: int = 65536,
 def read_prompt(request, tokenizer, max_input_bytes: int,
                 apply_chat_template: bool = True) -> tuple[list[int], bool]:
     """-> prompt ids, and whether the request came with text (the direct path)."""
-    text = tu.text(request, "text_input", max_bytes=max_input_bytes)
-    if text is not None:
-        if not text:
-            raise tu.RequestError("text_input is empty")
-        template = bool(tu.scalar(request, "apply_chat_template", apply_chat_template))
-        return encode_prompt(tokenizer, text, template), True
+    ids = tu.prompt_ids(request, tokenizer, max_input_bytes, required=False,
+                        apply_chat_template=apply_chat_template)
+    if ids is not None:
+        return ids, True
     ids = tu.row(request, "input_ids")
     if ids is None:
         raise tu.RequestError("send text_input (or input_ids)")

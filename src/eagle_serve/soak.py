@@ -24,36 +24,11 @@ import psutil
 
 from eagle_serve import paths
 from eagle_serve.client import metrics
+from eagle_serve.processes import find_server, model_processes
 
 LOCUSTFILE = paths.REPO_ROOT / "load_tests" / "locustfile.py"
 IDLE = ('eagle_kv_pages_free{pool="target"}', 'eagle_kv_pages_free{pool="drafter"}',
         "eagle_draft_slots_free")
-STUB = "triton_python_backend_stub"
-
-
-def find_server(http_port: int) -> psutil.Process:
-    """The tritonserver process started with --http-port=<http_port>."""
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if proc.info["name"] == "tritonserver" and f"--http-port={http_port}" in cmd:
-            return proc
-    raise SystemExit(f"no tritonserver with --http-port={http_port} found; pass --server-pid")
-
-
-def model_processes(server: psutil.Process) -> dict[str, psutil.Process]:
-    """{model name: its Python backend stub}; the model is the stub's model.py folder."""
-    found = {}
-    for child in server.children(recursive=True):
-        try:
-            cmd = child.cmdline()
-        except psutil.Error:
-            continue
-        if cmd and cmd[0].endswith(STUB) and len(cmd) > 1:
-            model = Path(cmd[1]).parent.parent.name  # <repo>/<model>/<version>/model.py
-            found[model] = child
-    return found
-
-
 def rss_mib(procs: dict[str, psutil.Process]) -> dict[str, float]:
     out = {}
     for name, proc in procs.items():
@@ -178,8 +153,12 @@ def main(argv=None) -> None:
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("out/soak"))
     args = parser.parse_args(argv)
-    pid = args.server_pid or find_server(args.http_port).pid
-    report = run_soak(args.host, args.grpc_port, args.metrics_port, pid, duration_s=args.duration,
+    if args.server_pid is None:
+        server = find_server(args.http_port)
+        if server is None:
+            raise SystemExit(f"no tritonserver with HTTP port {args.http_port}; pass --server-pid")
+        args.server_pid = server.pid
+    report = run_soak(args.host, args.grpc_port, args.metrics_port, args.server_pid, duration_s=args.duration,
                       users=args.users, out=args.out)
     print(json.dumps(report, indent=1))
     unexpected = sum(v["failures"] for k, v in report["requests"].items() if k != "Aggregated")

@@ -20,32 +20,14 @@ from pathlib import Path
 
 import psutil
 
+from eagle_serve.processes import missing_stubs, python_models
+
 POLL_S = 1.0
 STOP_TIMEOUT_S = 20.0
 
 
 def log(message: str) -> None:
     print(f"[supervisor {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def python_models(repo: Path) -> list[str]:
-    return sorted(p.parent.parent.name for p in Path(repo).glob("*/1/model.py"))
-
-
-def missing_stubs(server: psutil.Process, repo: Path, models: list[str]) -> list[str]:
-    """Models without a live stub process among the server's children."""
-    alive = set()
-    for child in server.children():
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            cmd = " ".join(child.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        for m in models:
-            if f"{repo}/{m}/1/model.py" in cmd:
-                alive.add(m)
-    return [m for m in models if m not in alive]
 
 
 def ready(http_port: int) -> bool:
@@ -96,7 +78,7 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
     fast_failures = 0
     while True:
         child = subprocess.Popen(cmd, env=env)
-        died, was_ready = _watch(child, repo, models, http_port, lambda: stopping)
+        died, was_ready = _watch(child, models, http_port, lambda: stopping)
         if died:
             log(f"model process(es) {died} died; restarting tritonserver")
             child.send_signal(signal.SIGTERM)
@@ -116,7 +98,7 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
         log(f"tritonserver exited with code {code}; restarting")
 
 
-def _watch(child: subprocess.Popen, repo: Path, models: list[str], http_port: int,
+def _watch(child: subprocess.Popen, models: list[str], http_port: int,
            stopping) -> tuple[list[str], bool]:
     """Until the child exits or a stub dies (after the server was ready) -> the dead models,
     and whether the server was ever ready."""
@@ -126,10 +108,10 @@ def _watch(child: subprocess.Popen, repo: Path, models: list[str], http_port: in
         time.sleep(POLL_S)
         was_ready = was_ready or ready(http_port)
         if was_ready:
-            dead = missing_stubs(server, repo, models)
+            dead = missing_stubs(server, models)
             if dead:
                 time.sleep(POLL_S)  # confirm: not a stub in the middle of starting
-                dead = missing_stubs(server, repo, models)
+                dead = missing_stubs(server, models)
                 if dead:
                     return dead, True
     return [], was_ready

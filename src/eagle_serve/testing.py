@@ -1,14 +1,16 @@
 """Small models for tests and for exact-equality server runs: no weights downloaded.
 
 `make_tiny_target` writes a random model of any supported architecture (`make_tiny_llama`: a
-Llama with GQA) as an ordinary HF folder with the default model's tokenizer, so the same code
-path serves it; float64 makes greedy near-ties impossible in practice. `write_head_layout`
-writes a head the way each published tool lays it out. `OracleDrafter` proposes the target's
-true greedy continuation with injected mistakes, so multi-token acceptance and KV rollback
-really run in tests.
+Llama with GQA) as an ordinary HF folder with a tokenizer (`write_tiny_tokenizer`'s, built here
+without the converted default model, or a given model's), so the same code path serves it;
+float64 makes greedy near-ties impossible in practice. `write_head_layout` writes a head the way
+each published tool lays it out. `OracleDrafter` proposes the target's true greedy
+continuation with injected mistakes, so multi-token acceptance and KV rollback really run in
+tests.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -18,14 +20,17 @@ import transformers
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from eagle_serve import paths
 from eagle_serve.checkpoints import read_target_tensor, save_head
 from eagle_serve.heads import EagleHead, random_head
 from eagle_serve.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.target import load_target_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json", "generation_config.json")
+                   "special_tokens_map.json")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1 (BOS), 2 (EOS)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                 "'<|im_end|>\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 # Tiny configs of every supported architecture (name -> transformers config class, fields),
 # each quirk switched on so that a test notices when it is dropped: windows shorter than the
@@ -54,7 +59,8 @@ def make_tiny_target(dest: str | Path, arch: str = "llama", *, vocab_size: int =
                      num_kv_heads: int = 2, seed: int = 0, dtype=torch.float64,
                      tokenizer_from: Path | None = None, random_norms_and_biases: bool = True,
                      **fields) -> Path:
-    """A seeded random model of TINY_ARCHITECTURES[arch] saved as an HF folder (kept if there)."""
+    """A seeded random model of TINY_ARCHITECTURES[arch] saved as an HF folder (kept if there),
+    with write_tiny_tokenizer's tokenizer, or a copy of the one in the folder `tokenizer_from`."""
     dest = Path(dest)
     if (dest / "config.json").exists():
         return dest
@@ -73,11 +79,53 @@ def make_tiny_target(dest: str | Path, arch: str = "llama", *, vocab_size: int =
                     p.add_(torch.empty_like(p).uniform_(-0.5, 0.5))
         model.lm_head.weight.mul_(8.0)  # larger logits than the default init: fewer near-ties
     model.save_pretrained(dest)
-    src = Path(tokenizer_from or paths.default_target_dir())
-    for name in TOKENIZER_FILES:
-        if (src / name).exists() and name != "generation_config.json":
-            shutil.copy2(src / name, dest / name)
+    if tokenizer_from is None:
+        write_tiny_tokenizer(dest, vocab_size)
+    else:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_from) / name).exists():
+                shutil.copy2(Path(tokenizer_from) / name, dest / name)
     return dest
+
+
+def write_tiny_tokenizer(dest: str | Path, vocab_size: int) -> Path:
+    """A byte-level BPE tokenizer of `vocab_size` ids (at least 3 + 256) with a ChatML template,
+    built here: the special tokens, the 256 byte tokens, then every pair and as many triples of
+    printable ASCII characters as fit, so that any id decodes to text (stop strings work on
+    it) and any text encodes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = bytes_to_unicode()  # byte -> the character standing for it (space: "Ġ")
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(chars.values()))}
+    text = [chars[b] for b in range(0x20, 0x7f)]
+    pairs = ((a, b) for a in text for b in text)
+    triples = ((a + b, c) for a in text for b in text for c in text)
+    merges = []
+    for left, right in itertools.islice(itertools.chain(pairs, triples), max(0, vocab_size - len(vocab))):
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=SPECIAL_TOKENS[0],
+                                      bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2],
+                                      pad_token=SPECIAL_TOKENS[2])
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.save_pretrained(dest)
+    return Path(dest)
+
+
+def hf_generate_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Exactly `num_tokens` ids of Hugging Face greedy `generate` after `prompt` (EOS ignored):
+    what the engine's greedy output must equal."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                             max_new_tokens=num_tokens, min_new_tokens=num_tokens)
+    return out[0, len(prompt):].tolist()
 
 
 def make_tiny_llama(dest: str | Path, *, tie_word_embeddings: bool = False, **kw) -> Path:

@@ -4,7 +4,8 @@ inputs with defaults, building tensors and error responses.
 `triton_python_backend_utils` exists only inside the backend stub, so it is imported lazily
 (tests put a stand-in into `sys.modules`). Requests carry a batch dimension (max_batch_size > 0)
 and one prompt each: a batch of more than one row is refused with a clear error rather than
-guessing how to pad ragged outputs. Knows nothing about tokenizers or the engine.
+guessing how to pad ragged outputs. Knows nothing about the engine; `prompt_ids` is where text
+input is checked and encoded (eagle_serve.tokenization), for preprocess and the direct path alike.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from eagle_serve.tokenization import encode_prompt, has_chat_template
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 
@@ -115,6 +118,26 @@ def texts(request, name: str, max_bytes: int | None = None) -> list[str]:
     """All strings of a BYTES [-1] input (e.g. stop strings); [] if absent."""
     values = row(request, name)
     return [] if values is None else [utf8(bytes(v), name, max_bytes) for v in values]
+
+
+def prompt_ids(request, tokenizer, max_bytes: int, required: bool = True,
+               apply_chat_template: bool = True) -> list[int] | None:
+    """The ids of the request's `text_input`, through the chat template if the request's
+    `apply_chat_template` (default: the argument of that name) says so; None when the text is
+    absent and not required."""
+    value = text(request, "text_input", required=required, max_bytes=max_bytes)
+    if value is None:
+        return None
+    if not value:
+        raise RequestError("input 'text_input' is empty")
+    use_template = bool(scalar(request, "apply_chat_template", apply_chat_template))
+    if use_template and not has_chat_template(tokenizer):
+        raise RequestError("this tokenizer has no chat template: "
+                           "send apply_chat_template=false with a raw prompt")
+    ids = encode_prompt(tokenizer, value, use_template)
+    if not ids:
+        raise RequestError("the prompt encodes to no tokens")
+    return ids
 
 
 def ids_tensor(name: str, ids) -> object:

@@ -2,8 +2,8 @@
 
 After MLC-LLM's DraftTokenWorkspaceManager: a slot holds what verification needs of one draft
 token (its draft probabilities q over the target vocabulary); slots are handed out from a free
-list with reference counts (a slot shared by several tree children is freed when the last one
-lets go). `num_free` returning to `num_slots` when idle is the leak check.
+list, each owned by one draft token until its request frees it. `num_free` returning to
+`num_slots` when idle is the leak check.
 """
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from kernels.workspace import gather_rows, scatter_rows
 
 
 class DraftWorkspace:
-    def __init__(self, num_slots: int, vocab_size: int, dtype=torch.float32, device="cpu",
-                 store_probs: bool = True):
+    def __init__(self, num_slots: int, vocab_size: int, dtype=torch.float32, device="cpu"):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._refs = [0] * num_slots
+        self._in_use = [False] * num_slots
         # [num_slots, V] draft probabilities; allocated lazily on first sampled draft.
         self._probs: torch.Tensor | None = None
         self._shape, self._dtype, self._device = (num_slots, vocab_size), dtype, device
@@ -26,23 +25,21 @@ class DraftWorkspace:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int, ref_counts: list[int] | None = None) -> list[int] | None:
-        """n slots with the given initial reference counts (default 1); None if too few."""
+    def alloc(self, n: int) -> list[int] | None:
+        """n slots; None if too few are free."""
         if n > len(self._free):
             return None
         slots = [self._free.pop() for _ in range(n)]
-        for slot, refs in zip(slots, ref_counts or [1] * n):
-            assert refs > 0
-            self._refs[slot] = refs
+        for slot in slots:
+            self._in_use[slot] = True
         return slots
 
     def free(self, slots: list[int]) -> None:
-        """Drop one reference from each slot; a slot with none left returns to the pool."""
+        """Return slots to the pool."""
         for slot in slots:
-            assert self._refs[slot] > 0, f"slot {slot} freed twice"
-            self._refs[slot] -= 1
-            if self._refs[slot] == 0:
-                self._free.append(slot)
+            assert self._in_use[slot], f"slot {slot} freed twice"
+            self._in_use[slot] = False
+            self._free.append(slot)
 
     @property
     def probs(self) -> torch.Tensor:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle_serve import testing
 from eagle_serve.testing import make_random_head, make_tiny_llama
 
 
@@ -42,10 +43,6 @@ def hf_greedy(tiny_target):
     def run(prompt: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(prompt), max_new_tokens)
         if key not in cache:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 pad_token_id=0)
-            cache[key] = out[0, len(prompt):].tolist()
+            cache[key] = testing.hf_generate_greedy(model, prompt, max_new_tokens)
         return cache[key]
     return run

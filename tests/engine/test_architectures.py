@@ -17,7 +17,7 @@ from eagle_serve.interfaces import RaggedBatch, ancestor_mask
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.local import build_local_engine
 from eagle_serve.target import ARCHITECTURES, TargetModel, UnsupportedArchitecture
-from eagle_serve.testing import TINY_ARCHITECTURES, make_random_head, make_tiny_target
+from eagle_serve.testing import TINY_ARCHITECTURES, hf_generate_greedy, make_random_head, make_tiny_target
 
 ARCHS = list(TINY_ARCHITECTURES)
 
@@ -138,10 +138,7 @@ def test_greedy_speculative_output_equals_hf_greedy(arch, arch_models, prompts):
              (prompts[5], SamplingParams(max_tokens=14, num_speculative_tokens=6, draft_topk=2, draft_depth=3))]
     results = engine.generate([p for p, _ in cases], [sp for _, sp in cases])
     for (prompt, sp), result in zip(cases, results):
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                          max_new_tokens=sp.max_tokens, min_new_tokens=sp.max_tokens)
-        assert result.token_ids == out[0, len(prompt):].tolist()
+        assert result.token_ids == hf_generate_greedy(hf, prompt, sp.max_tokens)
     assert engine.stats.draft_tokens > 0
 
 

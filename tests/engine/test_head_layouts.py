@@ -20,7 +20,7 @@ from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.local import build_local_engine
 from eagle_serve.target import load_target_config
-from eagle_serve.testing import make_tiny_llama, write_head_layout
+from eagle_serve.testing import hf_generate_greedy, make_tiny_llama, write_head_layout
 
 # name -> (layout, head kind, random_head fields, extra config fields, target)
 CASES = {
@@ -178,30 +178,10 @@ def test_each_published_layout_serves_greedy_output_equal_to_hf(name, written, t
              (prompts[3], SamplingParams(max_tokens=10, num_speculative_tokens=5, draft_topk=2, draft_depth=3))]
     results = engine.generate([p for p, _ in cases], [sp for _, sp in cases])
     for (prompt, sp), result in zip(cases, results):
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                          max_new_tokens=sp.max_tokens, min_new_tokens=sp.max_tokens)
-        assert result.token_ids == out[0, len(prompt):].tolist()
+        assert result.token_ids == hf_generate_greedy(hf, prompt, sp.max_tokens)
 
 
 # ---- heads that do not fit ----
-
-def edit(folder, config=None, weights=None):
-    """Rewrite a written head: config fields (None removes) and weights (callable on the dict)."""
-    raw = json.loads((folder / "config.json").read_text())
-    for k, v in (config or {}).items():
-        raw.pop(k) if v is None else raw.__setitem__(k, v)
-    (folder / "config.json").write_text(json.dumps(raw))
-    if weights:
-        save_file(weights(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
-    return folder
-
-
-def speculators_head(tmp_path, tiny_target, **fields):
-    config = load_target_config(tiny_target)
-    head = random_head(config, 3, 4096, d2t=torch.arange(4096), **fields)
-    return write_head_layout(head, tmp_path / "h", "speculators", tiny_target)
-
 
 def layers_x2(raw: dict) -> dict:
     return raw | {"transformer_layer_config": raw["transformer_layer_config"] | {"num_hidden_layers": 2}}

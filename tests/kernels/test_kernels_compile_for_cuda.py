@@ -4,7 +4,7 @@ dot shapes, casts). The variants are those kernels/warmup.py enumerates (through
 own tile functions) for two served shapes: SmolLM2-135M (9 q / 3 kv heads, head_dim 64) and a
 Llama-3.1-8B (32 / 8, head_dim 128), in bfloat16 and float32 (the two attention precisions),
 with float16 spot checks. The Triton version must be the GPU image's (requirements-gpu.txt).
-Runs in a subprocess, since this session's triton was imported with TRITON_INTERPRET=1."""
+Runs in a subprocess, since the test process's triton was imported with TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import itertools
@@ -28,7 +28,7 @@ def specs():
     """{(kernel name, types, constexprs): (kernel, types of its runtime arguments, constexprs)}
     for every variant, deduplicated."""
     from kernels import paged_attention as pa
-    from kernels import prepare_inputs, rejection, sampling, workspace
+    from kernels import rejection, sampling, workspace
     from kernels.warmup import MAX_QUERIES, MAX_ROWS, smallest_inputs
 
     found = {}
@@ -76,7 +76,6 @@ def specs():
         add(rejection._greedy_accept_kernel, [I64] * 5 + [I32] * 3, dict(BLOCK_B=block_b))
         add(rejection._random_accept_kernel, [I64, I64, F32, F32] + [I64] * 4 + [I32] * 6,
             dict(BLOCK_B=block_b))
-    add(prepare_inputs._prepare_inputs_kernel, [I64] * 3, dict(BLOCK=1024))
     return found
 
 
@@ -109,10 +108,10 @@ def test_the_compiler_is_the_triton_of_the_gpu_image():
 
 
 def test_every_variant_family_is_compiled():
-    from kernels import paged_attention, prepare_inputs, rejection, sampling, workspace
+    from kernels import paged_attention, rejection, sampling, workspace
 
     names = {key[0] for key in specs()}
-    modules = (paged_attention, prepare_inputs, rejection, sampling, workspace)
+    modules = (paged_attention, rejection, sampling, workspace)
     kernels = {name for m in modules for name in vars(m)
                if name.startswith("_") and name.endswith("_kernel")}
     assert names == kernels

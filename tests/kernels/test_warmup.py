@@ -19,7 +19,7 @@ import kernels
 from eagle_serve.engine import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.testing import make_random_head, make_tiny_llama
-from kernels import paged_attention, prepare_inputs, rejection, sampling, warmup, workspace
+from kernels import paged_attention, rejection, sampling, warmup, workspace
 
 KERNELS = [paged_attention._write_kv_kernel, paged_attention._paged_attention_kernel,
            sampling._probs_kernel, sampling._sample_kernel, rejection._greedy_accept_kernel,
@@ -61,7 +61,7 @@ def recorder():
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """Every dispatcher runs its Triton kernel, on CPU tensors too (impl "ref" still the ref)."""
-    for module in (paged_attention, prepare_inputs, rejection, sampling, workspace):
+    for module in (paged_attention, rejection, sampling, workspace):
         monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
 
 

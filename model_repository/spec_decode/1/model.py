@@ -2,7 +2,7 @@
 import json
 
 import triton_python_backend_utils as pb_utils
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
@@ -12,7 +12,7 @@ from eagle_serve.lookup import load_corpus_index
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.service import SpecDecodeService
 from eagle_serve.settings import EngineConfig, ServingSettings
-from eagle_serve.tokenization import eos_token_ids
+from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 from eagle_serve.workers import instance_device, log_warmup
 from kernels.warmup import warm_engine
 
@@ -30,7 +30,7 @@ class TritonPythonModel:
         bls = dict(key=internal_key.server_key(), timeout_s=settings.model_call_timeout_s)
         target = BlsTarget(pb_utils, vocab, device, **bls)
         drafter = BlsDrafter(pb_utils, vocab, device, **bls) if drafter_dir is not None else None
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        tokenizer = load_tokenizer(target_dir)
         corpus = settings.corpus_index_path(tu.repository_dir(args), drafter_dir)
         engine = Engine(target, drafter, EngineConfig.from_settings(settings, eos_token_ids(target_dir)),
                         tokenizer=tokenizer, device=device,

@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle_serve.requests import acceptance_length
+
 # Fields this server cannot honour -> the values that ask for nothing; others get a 400.
 UNSUPPORTED = {
     "logprobs": (False, 0), "top_logprobs": (0,), "prompt_logprobs": (0,), "logit_bias": ({},),
@@ -151,7 +153,7 @@ class Counters:
     def usage(self) -> dict:
         """OpenAI's usage, with the speculative counters in the extension field `speculative`
         (acceptance length = tokens per verify round = (accepted + rounds) / rounds)."""
-        length = (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else None
+        length = acceptance_length(self.accepted_tokens, self.rounds) if self.rounds else None
         return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens,
                 "total_tokens": self.input_tokens + self.output_tokens,
                 "speculative": {"draft_tokens": self.draft_tokens,

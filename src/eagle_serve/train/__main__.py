@@ -16,7 +16,6 @@ from pathlib import Path
 from eagle_serve import paths
 
 DEFAULT_CORPUS = paths.REPO_ROOT / "drafters" / "data" / "smollm2-selfdistill"
-HELDOUT = paths.REPO_ROOT / "clients" / "prompts" / "heldout.jsonl"
 
 
 def main(argv=None) -> None:
@@ -40,7 +39,7 @@ def main(argv=None) -> None:
     t.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the teacher-forced target pass (bfloat16: as the CPU server runs)")
     t.add_argument("--work", type=Path, default=paths.cache_dir() / "train-eagle3")
-    t.add_argument("--out", type=Path, default=paths.REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct")
+    t.add_argument("--out", type=Path, default=paths.default_drafter_dir())
     t.add_argument("--steps", type=int, default=1500)
     t.add_argument("--draft-vocab", type=int, default=4096)
     t.add_argument("--unroll", type=int, default=3)
@@ -51,8 +50,8 @@ def main(argv=None) -> None:
                    help="target layers whose inputs the head fuses (default 2, L//2, L-3)")
     e = sub.add_parser("eval")
     e.add_argument("--target", default="default")
-    e.add_argument("--head", type=Path, default=paths.REPO_ROOT / "drafters" / "eagle3-SmolLM2-135M-Instruct")
-    e.add_argument("--prompts", type=Path, default=HELDOUT)
+    e.add_argument("--head", type=Path, default=paths.default_drafter_dir())
+    e.add_argument("--prompts", type=Path, default=paths.HELDOUT_PROMPTS)
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--max-tokens", type=int, default=96)
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
@@ -64,7 +63,7 @@ def main(argv=None) -> None:
     if args.command == "corpus":
         from eagle_serve.train.corpus import generate_corpus
         from eagle_serve.train.prompts import build_prompts
-        prompts = build_prompts(args.seed, HELDOUT)
+        prompts = build_prompts(args.seed, paths.HELDOUT_PROMPTS)
         n = generate_corpus(args.out, paths.resolve_model_path(args.target), prompts,
                             max_tokens=args.max_tokens, batch=args.batch,
                             shard_size=args.shard_size, limit=args.limit,
@@ -73,15 +72,15 @@ def main(argv=None) -> None:
     elif args.command == "train":
         train(args)
     elif args.command == "eval":
-        from eagle_serve.train.evaluate import evaluate, heldout_prompts, teacher_forced_accuracy
+        from eagle_serve.train.evaluate import evaluate, teacher_forced_accuracy
         if args.teacher_forced:
             report = teacher_forced_accuracy(args.head, paths.resolve_model_path(args.target),
-                                             heldout_prompts(args.prompts), args.teacher_forced,
+                                             paths.read_prompts(args.prompts), args.teacher_forced,
                                              max_tokens=args.max_tokens)
             print(json.dumps(report, indent=2))
             return
         report = evaluate(args.head, paths.resolve_model_path(args.target),
-                          heldout_prompts(args.prompts), k=args.k, max_tokens=args.max_tokens,
+                          paths.read_prompts(args.prompts), k=args.k, max_tokens=args.max_tokens,
                           dtype=args.dtype)
         print(json.dumps(report, indent=2))
 

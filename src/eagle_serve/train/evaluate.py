@@ -2,25 +2,20 @@
 teacher-forced (the unrolled training objective's per-step accuracy on held-out answers)."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eagle_serve.requests import SamplingParams
+from eagle_serve.requests import SamplingParams, acceptance_length
 from eagle_serve.local import build_local_engine
 from eagle_serve.tokenization import encode_prompt
 
 
-def heldout_prompts(path: Path) -> list[str]:
-    return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
              max_tokens: int = 96, batch: int = 1, dtype: str = "auto") -> dict:
-    """-> tau, per-position acceptance (given all earlier accepted), tokens/s of k and of k=0.
+    """-> tau (the acceptance length), per-position acceptance (given all earlier accepted), tokens/s of k and of k=0.
     dtype: of target and head (bfloat16 = what the server runs on CPUs with native bf16)."""
     # the head's own acceptance per chain position: unpruned chains of k
     engine = build_local_engine(target_dir, head_dir, max_running=batch, dtype=dtype,
@@ -34,11 +29,11 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
         seconds = time.perf_counter() - start
         timings[kk] = sum(len(r.token_ids) for r in results) / seconds
         if kk == k:
-            tokens = sum(len(r.token_ids) for r in results)
+            accepted = sum(r.last.num_accepted_tokens for r in results)
             rounds = sum(r.last.num_rounds for r in results)
     s = engine.stats
     per_position = [a / d if d else None for a, d in zip(s.accepted_per_position, s.drafted_per_position)][:k]
-    return {"k": k, "tau": tokens / rounds, "acceptance_per_position": per_position,
+    return {"k": k, "tau": acceptance_length(accepted, rounds), "acceptance_per_position": per_position,
             "tokens_per_s": timings[k], "tokens_per_s_k0": timings[0],
             "speedup_in_process": timings[k] / timings[0], "prompts": len(prompts), "dtype": dtype}
 

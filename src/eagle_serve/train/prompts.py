@@ -8,10 +8,11 @@ list, write, compare, advise, code, math), the Python standard library's own doc
 from __future__ import annotations
 
 import importlib
-import json
 import random
 import re
 from pathlib import Path
+
+from eagle_serve.paths import read_prompts
 
 TOPICS = """the ocean|volcanoes|the moon|black holes|photosynthesis|the water cycle|rainbows|earthquakes|
 the immune system|the human heart|sleep|dreams|memory|honey bees|ants|octopuses|whales|wolves|elephants|
@@ -118,7 +119,7 @@ def build_prompts(seed: int = 0, heldout: Path | None = None, docstrings: int = 
     prompts = templated(rng) + stdlib_docstrings(docstrings, rng) + language_topics(language, rng)
     banned = set()
     if heldout is not None and Path(heldout).exists():
-        banned = {json.loads(line)["prompt"].strip() for line in Path(heldout).read_text().splitlines() if line.strip()}
+        banned = {p.strip() for p in read_prompts(heldout)}
     unique = sorted({p.strip() for p in prompts} - banned)
     rng.shuffle(unique)
     return unique

@@ -298,7 +298,7 @@ class Trainer:
         noise = (torch.rand_like(feats) - 0.5) * 2 * self.cfg.noise * self.feat_std
         return feats + noise, ids, argmax, mask
 
-    def train(self, eval_fn=None) -> None:
+    def train(self) -> None:
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train EAGLE-3 head", unit="step")
         while self.step < self.cfg.steps:
             feats, ids, argmax, mask = self._batch()
