@@ -58,10 +58,13 @@ class DraftPolicy:
 
     def request_shape(self, params: SamplingParams, k: int) -> tuple[int, int]:
         """-> (topk, depth) of a request's drafts: depth <= k; sampled requests draft chains of
-        k (rejection sampling over a tree would need per-node draft distributions)."""
+        sampled_draft_depth (rejection sampling over a tree would need per-node draft
+        distributions; deeper chains of a weak head cost more drafter steps than they win)."""
         cfg = self.config
-        if params.temperature > 0 or k == 0:
-            return 1, k
+        if k == 0:
+            return 1, 0
+        if params.temperature > 0:
+            return 1, min(params.draft_depth or cfg.sampled_draft_depth, k)
         topk = cfg.draft_topk if params.draft_topk is None else params.draft_topk
         depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
         return topk, min(depth or k, k)

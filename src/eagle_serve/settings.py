@@ -44,6 +44,8 @@ class ServingSettings:
     draft_min_prob: float = 0.05               # greedy drafts below this path probability are not
     #                                            verified (the first always is); 0 = off
     draft_expand_prob: float = 0.5             # draft deeper only while a draft reaches this; 0 = off
+    sampled_draft_depth: int = 2               # sampled requests draft chains this long (a
+    #                                            request's draft_depth or k overrides/caps it)
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
     lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
@@ -134,6 +136,7 @@ class EngineConfig:
     max_tree_batch: int
     draft_min_prob: float
     draft_expand_prob: float
+    sampled_draft_depth: int
     lookup_tokens: int
     max_stop_strings: int
     max_stop_bytes: int
@@ -159,6 +162,9 @@ class EngineConfig:
                              f"got {self.draft_depth}")
         if self.max_tree_batch < 0:
             raise ValueError(f"max_tree_batch must be >= 0 (0 = no limit), got {self.max_tree_batch}")
+        if not 1 <= self.sampled_draft_depth <= self.max_draft_depth:
+            raise ValueError(f"sampled_draft_depth must be in [1, {self.max_draft_depth}], "
+                             f"got {self.sampled_draft_depth}")
         if not 0 <= self.lookup_tokens <= self.max_speculative_tokens:
             raise ValueError(f"lookup_tokens must be in [0, {self.max_speculative_tokens}], "
                              f"got {self.lookup_tokens}")

@@ -419,3 +419,16 @@ def test_pruning_at_certainty_drafts_one_draft_or_one_level(tiny_target, eagle3_
     assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts[2:4]]
     assert drafts and max(len(t) for t, _, _ in drafts) == most
     assert max(max(depths(p), default=0) for _, p, _ in drafts) == deepest
+
+
+def test_the_served_policy_drafts_sampled_requests_as_short_chains_unless_they_ask_otherwise():
+    from eagle_serve.drafting import DraftPolicy
+    from eagle_serve.settings import EngineConfig
+
+    policy = DraftPolicy(EngineConfig.served())
+    sampled = dict(temperature=0.7)
+    assert policy.request_shape(SamplingParams(**sampled), 8) == (1, 2)
+    assert policy.request_shape(SamplingParams(**sampled, draft_topk=4, draft_depth=4), 8) == (1, 4)
+    assert policy.request_shape(SamplingParams(**sampled), 1) == (1, 1)
+    assert policy.request_shape(SamplingParams(), 8) == (4, 3)
+    assert policy.request_shape(SamplingParams(), 0) == (1, 0)
