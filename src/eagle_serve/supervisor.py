@@ -23,6 +23,7 @@ import psutil
 from eagle_serve.processes import missing_stubs, python_models
 
 POLL_S = 1.0
+DEAD_GRACE_S = 5.0  # after a model process died, before stopping the server ourselves
 STOP_TIMEOUT_S = 20.0
 
 
@@ -81,7 +82,10 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
         died, was_ready = _watch(child, models, http_port, lambda: stopping)
         if died:
             log(f"model process(es) {died} died; restarting tritonserver")
-            child.send_signal(signal.SIGTERM)
+            try:  # spec_decode fails the open requests with the reason and stops the server
+                child.wait(DEAD_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.send_signal(signal.SIGTERM)
         try:
             code = child.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
