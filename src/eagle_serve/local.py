@@ -10,7 +10,7 @@ from eagle_serve.checkpoints import load_drafter
 from eagle_serve.engine import Engine
 from eagle_serve.lookup import load_corpus_index
 from eagle_serve.target import TargetModel
-from eagle_serve.settings import CORPUS_INDEX_FILE, EngineConfig, ServingSettings, torch_dtype
+from eagle_serve.settings import EngineConfig, ServingSettings, default_corpus_index, torch_dtype
 from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 
 
@@ -34,7 +34,6 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
                          feature_layers=drafter.feature_layers if drafter else None)
     tokenizer = load_tokenizer(target_dir)
     if corpus == "default":
-        corpus = drafter_dir and Path(drafter_dir) / CORPUS_INDEX_FILE
-        corpus = corpus if corpus and corpus.exists() else None
+        corpus = default_corpus_index(drafter_dir)
     return Engine(target, drafter, config, tokenizer, device=device,
                   corpus=load_corpus_index(Path(corpus), tokenizer) if corpus else None)

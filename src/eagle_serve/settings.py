@@ -21,6 +21,12 @@ DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
 
 
+def default_corpus_index(drafter_dir: Path | None) -> Path | None:
+    """The corpus index shipped beside a head, if it has one."""
+    path = drafter_dir and Path(drafter_dir) / CORPUS_INDEX_FILE
+    return path if path and path.exists() else None
+
+
 @dataclass(frozen=True)
 class ServingSettings:
     target_model: str = "default"              # HF folder; "default" = SmolLM2-135M-Instruct
@@ -98,8 +104,7 @@ class ServingSettings:
         if self.lookup_corpus in ("", "none") or drafter_dir is None or self.lookup_tokens == 0:
             return None
         if self.lookup_corpus == "default":
-            path = Path(drafter_dir) / CORPUS_INDEX_FILE
-            return path if path.exists() else None
+            return default_corpus_index(drafter_dir)
         return paths.resolve_model_path(self.lookup_corpus, repo_dir)
 
     def torch_dtype(self, on_gpu: bool):
