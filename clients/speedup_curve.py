@@ -43,9 +43,10 @@ def parse_config(text: str) -> dict:
 
 
 def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str,
-            concurrency: int = 1, sampling: dict | None = None) -> dict:
+            concurrency: int = 1, sampling: dict | None = None, seeded: bool = True) -> dict:
     """Each group of `concurrency` prompts runs through every config in turn (its prompts as
-    concurrent streams); tokens/s = a config's tokens over its groups' wall time."""
+    concurrent streams); tokens/s = a config's tokens over its groups' wall time. Sampled
+    requests carry a seed per prompt unless `seeded` is false."""
     sampling = sampling or {}
     totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0,
                   "same_as_first": 0, "requests": 0} for c in configs}
@@ -59,7 +60,7 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
                 def run(i_prompt):
                     i, prompt = i_prompt
                     return grpc_generate(url, prompt, model=model, max_tokens=max_tokens,
-                                         **({"seed": 1000 * n + i} if sampling else {}),
+                                         **({"seed": 1000 * n + i} if sampling and seeded else {}),
                                          **sampling, **parse_config(c))
                 start = time.perf_counter()
                 gens = list(pool.map(run, enumerate(group)))

@@ -180,10 +180,12 @@ def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str, name:
 
 # Requests that do not ask for a tree draft chains of k, and trees asked for are drafted in
 # batches of any size (the shipped config drafts a pruned 8x4x3 tree while a request runs
-# alone), unpruned: a random head's draft probabilities are near 1/V, so the shipped
-# confidence limits would leave one draft per round.
+# alone), unpruned and whatever their acceptance or the load: a random head's draft
+# probabilities are near 1/V and its drafts rarely accepted, so the shipped confidence limits
+# would leave one draft per round and the cost rule none.
 CHAINS = {"draft_topk": "1", "draft_depth": "0", "max_tree_batch": "0",
-          "draft_min_prob": "0", "draft_expand_prob": "0"}
+          "draft_min_prob": "0", "draft_expand_prob": "0", "draft_call_cost": "0",
+          "draft_step_cost": "0", "max_draft_batch": "0", "max_sampled_draft_batch": "0"}
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.5,

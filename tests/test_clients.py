@@ -95,6 +95,23 @@ def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_serv
     assert "vanilla" in got.stdout and "hf-lookup" in got.stdout  # the printed table
 
 
+def test_speedup_matrix_runs_every_case_with_identical_greedy_output(triton_server, tiny_models,
+                                                                     tmp_path):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Write a haiku about the sea."}\n')
+    out, png = tmp_path / "matrix.json", tmp_path / "matrix.png"
+    got = run([sys.executable, "clients/speedup_matrix.py", "--prompts", str(prompts),
+               "--temperatures", "0", "0.7", "--concurrency", "1", "2", "--max-tokens", "8",
+               "--url", server.grpc_url, "--json", str(out), "--plot", str(png)])
+    assert got.returncode == 0, got.stderr[-3000:]
+    cases = json.loads(out.read_text())
+    assert len(cases) == 4 and all(c["default"]["tokens_per_s"] > 0 for c in cases.values())
+    greedy = [c for c in cases.values() if not c["temperature"]]
+    assert all(c["default"]["same_as_first"] == c["default"]["requests"] == 2 for c in greedy)
+    assert "| greedy, 2 streams, 8 tokens |" in got.stdout and png.stat().st_size > 10_000
+
+
 def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
     sys.path.insert(0, str(ROOT / "clients"))
     import bench

@@ -15,7 +15,10 @@ policy): a chain or a tree, and confidence limits on greedy drafts: a draft whos
 draft probability is below `min_prob` is not proposed (it would cost a verify row and rarely be
 accepted), and a chain or tree drafts one level deeper only while one of its drafts reaches
 `expand_prob` (a drafter step pays only when the next token is likely). The first draft is
-always proposed; verification does not change, so the output does not either.
+always proposed; verification does not change, so the output does not either. A sampled chain
+stops before the draft at which the product of its q's top probabilities falls below `min_prob`
+(the first draft included): the decision depends on q, not on the token drawn from it, so
+rejection sampling stays exact.
 """
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ class Drafter:
                       sampling: RowSampling, min_logp: torch.Tensor,
                       expand_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k_b drafts per request, each fed back with the drafter's own feature.
-        last: [B, H] catch-up outputs; min_logp, expand_logp: [B] log limits of greedy rows
+        last: [B, H] catch-up outputs; min_logp, expand_logp: [B] log limits (sampled rows: min_logp only)
         -> tokens [B, max_k] (-1 padded), q [N_sampled, V]"""
         ks = num_drafts.tolist()
         num_req, max_k = len(ks), max(ks, default=0)
@@ -136,15 +139,17 @@ class Drafter:
             logits = self.logits(last[active])  # [A, V_draft]
             drafted, q = self._sample(logits, sampling.select(active), (seq_lens[active] + j + 1).tolist())
             tokens[active, j] = drafted
-            if prune:  # greedy rows: the argmax's path probability
-                greedy = active[~sampling.sampled[active]]
-                rows = ~sampling.sampled[active]
-                path_logp[greedy] += torch.log_softmax(logits[rows].double(), -1).amax(-1)
-                if j > 0:
-                    tokens[greedy[path_logp[greedy] < min_logp[greedy]], j] = -1
-                going[greedy[path_logp[greedy] < stop_logp[greedy]]] = False
+            if prune:  # path probability: greedy rows their argmax's, sampled rows their q's top
+                sampled = sampling.sampled[active]  # [A]
+                step_logp = torch.log_softmax(logits.double(), -1).amax(-1)  # [A]
+                if q is not None:  # decided from q alone, before the draft: stays lossless
+                    step_logp = torch.where(sampled, q.double().amax(-1).log(), step_logp)
+                path_logp[active] += step_logp
+                low = path_logp[active] < min_logp[active]
+                tokens[active[low & (sampled | (j > 0))], j] = -1  # a greedy first draft stays
+                going[active[path_logp[active] < stop_logp[active]]] = False
             for row, b in enumerate(active.tolist()):
-                if q is not None and sampling.temperature[b] > 0:
+                if q is not None and sampling.temperature[b] > 0 and tokens[b, j] >= 0:
                     probs[b].append(q[row])
         flat = [p for per_req in probs for p in per_req]
         q_all = torch.stack(flat) if flat else torch.zeros((0, self.vocab_size), device=self.device)

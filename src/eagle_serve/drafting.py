@@ -6,6 +6,11 @@ tokens the request may still emit; a chain of the tree's depth when more than `m
 requests run), the confidence limits on greedy drafts, and the model-free sources: a greedy
 request's tree also gets the continuations looked up in its own tokens and in the corpus of the
 target's answers (eagle_serve.lookup) as extra branches, merged where they agree with the head's.
+Each request's measured acceptance decides whether drafting pays (`best_chain`, with the costs
+draft_call_cost, draft_step_cost and draft_batch_cost: verify rows cost more in a fuller batch):
+chains take the length it pays for, and a request whose drafts do not pay drafts nothing and
+skips the drafter call until a probe round; beyond max_draft_batch running requests
+(max_sampled_draft_batch for sampled ones) nothing is drafted.
 The drafter only executes the shapes it is sent, row by row; verification and acceptance do not
 depend on the policy, so whatever is drafted, the output is the target's.
 """
@@ -44,6 +49,22 @@ class RoundShape:
 # least this; a context match needs at least CONTEXT_MIN_MATCH tokens.
 CORPUS_MIN_PROB = 0.2
 CONTEXT_MIN_MATCH = 2
+# A request's acceptance estimate starts at ACCEPT_PRIOR, counted as PRIOR_WEIGHT reached drafts;
+# a request whose drafts do not pay drafts nothing, and one draft again after PROBE_EVERY rounds.
+ACCEPT_PRIOR, PRIOR_WEIGHT, PROBE_EVERY = 0.5, 4.0, 4
+
+
+def best_chain(rate: float, max_depth: int, call_cost: float, step_cost: float) -> int:
+    """The chain length in [0, max_depth] with the most expected tokens per unit of cost: with d
+    drafts, each accepted with probability `rate` once those before it were, a round emits
+    1 + rate + ... + rate^d tokens and costs 1 + call_cost + d * step_cost plain rounds
+    (d = 0: one plain round)."""
+    best, best_gain, tokens, cost = 0, 1.0, 1.0, 1.0 + call_cost
+    for d in range(1, max_depth + 1):
+        tokens, cost = tokens + rate ** d, cost + step_cost
+        if tokens / cost > best_gain:
+            best, best_gain = d, tokens / cost
+    return best
 
 
 class DraftPolicy:
@@ -113,26 +134,95 @@ class DraftPolicy:
         clamped to `left` (a chain: k too). With more than max_tree_batch requests running, a
         tree request drafts a chain of its depth."""
         cfg = self.config
-        depth = max(0, min(req.depth, left))
-        pruning = (cfg.draft_min_prob, cfg.draft_expand_prob) if req.greedy else (0.0, 0.0)
+        depth = self._paying_depth(req, max(0, min(req.depth, left)), batch_size)
+        pruning = ((cfg.draft_min_prob, cfg.draft_expand_prob) if req.greedy
+                   else (cfg.sampled_draft_min_prob, 0.0))
         if req.topk > 1 and depth > 0 and self._trees_allowed(batch_size):
             return RoundShape(min(req.k, tree_capacity(req.topk, depth)), req.topk, depth, *pruning)
         return RoundShape(depth, 1, depth, *pruning)
 
+    def _paying_depth(self, req: Request, depth: int, batch_size: int) -> int:
+        """The depth the request's measured acceptance pays for: a chain the best length up to
+        `depth` (`best_chain`; each draft costs more the more requests run), a tree all or
+        nothing (its confidence limits already prune it). A request drafting nothing drafts one
+        again after PROBE_EVERY rounds, to measure again. A request that sets its draft_depth
+        gets that depth. Nothing is drafted while more than max_draft_batch requests run
+        (sampled requests: max_sampled_draft_batch). A
+        seeded sampled request is costed as if alone, so that its output depends on its own
+        history only, not on other traffic."""
+        cfg = self.config
+        load = 1 if not req.greedy and req.params.seed is not None else batch_size
+        limit = cfg.max_draft_batch if req.greedy else cfg.max_sampled_draft_batch
+        if limit and load > limit:
+            return 0
+        fixed = req.params.draft_depth is not None
+        if depth == 0 or fixed or not (cfg.draft_call_cost or cfg.draft_step_cost):
+            return depth
+        tree = req.topk > 1 and self._trees_allowed(batch_size)
+        step_cost = cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1)
+        rate = req.acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
+        best = best_chain(rate, 1 if tree else depth, cfg.draft_call_cost, step_cost)
+        if best == 0:
+            return 1 if req.acceptance.idle_rounds >= PROBE_EVERY else 0
+        return depth if tree else best
+
 
 def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftPolicy,
                    pool: PagePool, workspace: DraftWorkspace, batch_size: int, device) -> None:
-    """One drafter call: catch up on each request's newly verified positions and draft its next
-    round; the drafts (and sampled requests' draft probabilities) go into the request."""
+    """Draft each request's next round: one drafter call for the requests whose round drafts
+    from the head (it first catches up on their newly verified positions), then the lookup
+    branches. A request whose round drafts nothing from the head skips the call: its features
+    wait in `undrafted` for its next drafting round. The drafts (and sampled requests' draft
+    probabilities) go into the request."""
     cfg = policy.config
-    ids, positions, cu, seq_lens, slots, shapes, lefts = [], [], [0], [], [], [], []
+    lefts = [min(w.req.params.max_tokens - len(w.req.output) - 1,
+                 cfg.max_model_len - len(w.req.tokens)) for w in work]
+    shapes = [policy.round_shape(w.req, left, batch_size) for w, left in zip(work, lefts)]
     for w in work:
         req = w.req
+        if req.undrafted is not None:
+            w.features = torch.cat([req.undrafted, w.features])
+            req.undrafted = None
+        assert w.features.shape[0] == req.num_computed - req.draft_computed, "drafter fell behind"
+    called = [(w, s) for w, s in zip(work, shapes) if s.nodes]
+    out = _call_drafter(called, drafter, pool, device) if called else None
+    row = prob_row = 0
+    for w, shape, left in zip(work, shapes, lefts):
+        req = w.req
+        drafts, parents, q = [], [], None
+        if shape.nodes:
+            req.draft_computed = req.num_computed
+            pool.shrink(req.drafter_pages, req.draft_computed)
+            drafts = out.tokens[row, :shape.nodes].tolist()
+            drafts = drafts[:drafts.index(-1)] if -1 in drafts else drafts  # fewer nodes
+            parents = (out.parents[row, :len(drafts)].tolist() if out.parents is not None
+                       else list(range(-1, len(drafts) - 1)))
+            if not req.greedy:
+                q = out.probs[prob_row:prob_row + len(drafts)]
+                prob_row += len(drafts)
+            row += 1
+        else:
+            req.undrafted = w.features
+        sources = ["eagle"] * len(drafts)
+        budget = req.lookup_budget
+        for branch in policy.lookups(req, left, batch_size, first_path(drafts, parents)):
+            budget -= merge_branch(drafts, parents, sources, branch, budget)
+        slots = workspace.alloc(len(drafts))
+        if slots is None:  # no free slots: this round verifies no drafts
+            continue
+        if q is not None:
+            workspace.store(slots, q)
+        req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
+
+
+def _call_drafter(called: list[tuple[DraftWork, RoundShape]], drafter: DrafterRunner,
+                  pool: PagePool, device):
+    """One drafter call: catch up on each request's verified positions it has not seen, then
+    draft its round's shape. -> DraftOutput (rows in the order of `called`)"""
+    ids, positions, cu, seq_lens, slots = [], [], [0], [], []
+    for w, _ in called:
+        req = w.req
         start, end = req.draft_computed, req.num_computed
-        assert w.features.shape[0] == end - start, "drafter fell behind the target"
-        left = min(req.params.max_tokens - len(req.output) - 1, cfg.max_model_len - len(req.tokens))
-        shapes.append(policy.round_shape(req, left, batch_size))
-        lefts.append(left)
         ids += req.tokens[start + 1:end + 1]
         positions += range(start, end)
         slots += [pool.slot(req.drafter_pages, p) for p in range(start, end)]
@@ -140,34 +230,14 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         seq_lens.append(end)
     t = lambda x: int_tensor(x, device)  # noqa: E731
     batch = RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens),
-                        block_tables([w.req.drafter_pages for w in work], device), t(slots))
+                        block_tables([w.req.drafter_pages for w, _ in called], device), t(slots))
+    shapes = [s for _, s in called]
     prob = lambda x: torch.tensor(x, dtype=torch.float32, device=device)  # noqa: E731
     wire = DraftShapes(t([s.nodes for s in shapes]), t([s.topk for s in shapes]),
                        t([s.depth for s in shapes]), prob([s.min_prob for s in shapes]),
                        prob([s.expand_prob for s in shapes]))
-    out = drafter.propose(batch, torch.cat([w.features for w in work]), wire,
-                          row_sampling([w.req.sampling_row() for w in work], device))
-    prob_row = 0
-    for i, (w, shape) in enumerate(zip(work, shapes)):
-        req = w.req
-        req.draft_computed = req.num_computed
-        pool.shrink(req.drafter_pages, req.draft_computed)
-        drafts = out.tokens[i, :shape.nodes].tolist()
-        drafts = drafts[:drafts.index(-1)] if -1 in drafts else drafts  # fewer nodes
-        parents = (out.parents[i, :len(drafts)].tolist() if out.parents is not None
-                   else list(range(-1, len(drafts) - 1)))
-        sources = ["eagle"] * len(drafts)
-        budget = req.lookup_budget
-        for branch in policy.lookups(req, lefts[i], batch_size, first_path(drafts, parents)):
-            budget -= merge_branch(drafts, parents, sources, branch, budget)
-        slots = workspace.alloc(len(drafts))
-        if not req.greedy:
-            q = out.probs[prob_row:prob_row + len(drafts)]
-            prob_row += len(drafts)
-            if slots is not None:
-                workspace.store(slots, q)
-        if slots is not None:  # no free slots: this round verifies no drafts
-            req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
+    return drafter.propose(batch, torch.cat([w.features for w, _ in called]), wire,
+                           row_sampling([w.req.sampling_row() for w, _ in called], device))
 
 
 def first_path(drafts: list[int], parents: list[int]) -> list[int]:

@@ -75,7 +75,8 @@ class DraftShapes:
     topk: torch.Tensor         # int64: children per tree node; 1 = a chain (sampled rows: chains)
     depth: torch.Tensor        # int64: tree levels
     min_prob: torch.Tensor     # float32: greedy drafts below this path probability are dropped
-    #                            (the first is always kept); 0 = off
+    #                            (the first is always kept; sampled chains: the product of their
+    #                            q's top probabilities, the first included); 0 = off
     expand_prob: torch.Tensor  # float32: draft a deeper level only while a draft of the level
     #                            reaches this; 0 = off
 

@@ -5,16 +5,41 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from eagle_serve.lookup import ContextIndex
 from eagle_serve.settings import EngineConfig
 from eagle_serve.stopping import StopChecker
+
+if TYPE_CHECKING:
+    import torch
 
 
 def acceptance_length(accepted_tokens: int, rounds: int) -> float:
     """Tokens a request gains per verify round: its accepted drafts plus the target's own token
     each round, over the rounds (1.0 for plain decoding)."""
     return (accepted_tokens + rounds) / rounds if rounds else 0.0
+
+
+@dataclass
+class AcceptanceRecord:
+    """A request's recent drafting: decayed counts of the draft positions its rounds reached
+    (a position is reached when every draft before it was accepted) and of those accepted."""
+    reached: float = 0.0
+    accepted: float = 0.0
+    idle_rounds: int = 0            # verified rounds in a row without drafts
+
+    DECAY = 0.9                     # per drafting round: recent rounds count most
+
+    def observe(self, offered: int, accepted: int) -> None:
+        """offered: the deepest draft of the round (a chain: its length); accepted: drafts kept."""
+        self.reached = self.DECAY * self.reached + min(accepted + 1, offered)
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.idle_rounds = 0
+
+    def rate(self, prior: float, weight: float) -> float:
+        """Estimated chance that a reached draft is accepted (`prior` counted `weight` times)."""
+        return (self.accepted + prior * weight) / (self.reached + weight)
 
 
 @dataclass(frozen=True)
@@ -105,6 +130,9 @@ class Request:
     draft_sources: list[str] = field(default_factory=list)  # of each draft (lookup.SOURCES)
     lookup_budget: int = 0          # drafts lookup sources may add to the k of the head
     context: ContextIndex | None = None  # the request's own tokens, for context lookup
+    acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)
+    undrafted: torch.Tensor | None = None  # [n, F]: target features of verified positions
+    #                                 the drafter has not seen (rounds that drafted nothing)
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
     num_sent: int = 0               # output tokens handed out

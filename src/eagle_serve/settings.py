@@ -50,8 +50,22 @@ class ServingSettings:
     draft_min_prob: float = 0.05               # greedy drafts below this path probability are not
     #                                            verified (the first always is); 0 = off
     draft_expand_prob: float = 0.5             # draft deeper only while a draft reaches this; 0 = off
-    sampled_draft_depth: int = 2               # sampled requests draft chains this long (a
-    #                                            request's draft_depth or k overrides/caps it)
+    sampled_draft_depth: int = 2               # sampled requests draft chains up to this long
+    #                                            (a request's draft_depth or k overrides/caps it)
+    sampled_draft_min_prob: float = 0.0        # a sampled chain stops where the product of its
+    #                                            drafter distributions' top probabilities falls
+    #                                            below this (the first draft included); 0 = off
+    draft_call_cost: float = 0.20              # what a drafting round costs (the drafter call),
+    draft_step_cost: float = 0.05              # and each drafted chain position, as shares of a
+    #                                            plain decoding round: a request drafts the chain
+    #                                            its measured acceptance pays for, or nothing for
+    #                                            a while (both 0 = fixed shapes, never off)
+    draft_batch_cost: float = 0.025            # added to draft_step_cost per further running
+    #                                            request (verify rows stop being free)
+    max_draft_batch: int = 4                   # no drafting while more requests run (seeded
+    #                                            sampled ones excepted); 0 = no limit
+    max_sampled_draft_batch: int = 1           # the same for sampled requests (their verify
+    #                                            rows cost more); 0 = no limit
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
     lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
@@ -72,9 +86,12 @@ class ServingSettings:
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        for name in ("draft_min_prob", "draft_expand_prob"):
+        for name in ("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("draft_call_cost", "draft_step_cost", "draft_batch_cost"):
+            if not 0.0 <= getattr(self, name) <= 10.0:
+                raise ValueError(f"{name} must be in [0, 10], got {getattr(self, name)}")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "ServingSettings":
@@ -142,6 +159,12 @@ class EngineConfig:
     draft_min_prob: float
     draft_expand_prob: float
     sampled_draft_depth: int
+    sampled_draft_min_prob: float
+    draft_call_cost: float
+    draft_step_cost: float
+    draft_batch_cost: float
+    max_draft_batch: int
+    max_sampled_draft_batch: int
     lookup_tokens: int
     max_stop_strings: int
     max_stop_bytes: int
@@ -167,15 +190,21 @@ class EngineConfig:
                              f"got {self.draft_depth}")
         if self.max_tree_batch < 0:
             raise ValueError(f"max_tree_batch must be >= 0 (0 = no limit), got {self.max_tree_batch}")
+        for name in ("max_draft_batch", "max_sampled_draft_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         if not 1 <= self.sampled_draft_depth <= self.max_draft_depth:
             raise ValueError(f"sampled_draft_depth must be in [1, {self.max_draft_depth}], "
                              f"got {self.sampled_draft_depth}")
         if not 0 <= self.lookup_tokens <= self.max_speculative_tokens:
             raise ValueError(f"lookup_tokens must be in [0, {self.max_speculative_tokens}], "
                              f"got {self.lookup_tokens}")
-        for name in ("draft_min_prob", "draft_expand_prob"):
+        for name in ("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("draft_call_cost", "draft_step_cost", "draft_batch_cost"):
+            if not 0.0 <= getattr(self, name) <= 10.0:
+                raise ValueError(f"{name} must be in [0, 10], got {getattr(self, name)}")
 
 
 def parse_bool(value: str) -> bool:

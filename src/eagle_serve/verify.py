@@ -241,6 +241,10 @@ def _count_round(req: Request, path: list[int], stats: EngineStats) -> None:
     for node in path:
         stats.accepted_tokens_by_source[req.draft_sources[node]] += 1
     offered = max(tree_depths(req.parents), default=0)  # deepest draft (a chain: k)
+    if offered:
+        req.acceptance.observe(offered, accepted)
+    else:
+        req.acceptance.idle_rounds += 1
     req.num_rounds += 1
     req.num_draft_tokens += len(req.drafts)
     req.num_accepted_tokens += accepted

@@ -1,0 +1,212 @@
+"""The draft policy follows each request's measured acceptance: a sampled chain takes the length
+its acceptance pays for, a request whose drafts do not pay drafts nothing (and skips the drafter
+call) until a probe round, and sampled chains can stop on a low-confidence q. Whatever it
+chooses, the output stays the target's: greedy token for token, sampled in distribution, and
+a seeded request independent of the batch and of preemption."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from scipy.stats import chi2
+
+from eagle_serve.drafting import PROBE_EVERY, DraftPolicy, best_chain
+from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
+from eagle_serve.settings import EngineConfig
+from eagle_serve.testing import make_random_head, make_tiny_llama, tiny_engine
+
+MAX_TOKENS = 24
+
+
+def record_drafter_calls(engine) -> list[list[int]]:
+    """Wrap the drafter's propose: -> per call, the drafts asked of each row."""
+    calls, propose = [], engine.drafter.propose
+
+    def wrapped(batch, features, shapes, sampling):
+        calls.append(shapes.num_drafts.tolist())
+        return propose(batch, features, shapes, sampling)
+    engine.drafter.propose = wrapped
+    return calls
+
+
+def test_the_best_chain_has_the_most_expected_tokens_per_unit_of_cost():
+    for rate, call, step, depth in itertools.product((0.0, 0.2, 0.45, 0.7, 0.95), (0.0, 0.1, 0.5),
+                                                     (0.05, 0.16, 0.4), (1, 2, 4)):
+        def gain(d):
+            return sum(rate ** i for i in range(d + 1)) / (1 + (call + d * step if d else 0))
+        best = best_chain(rate, depth, call, step)
+        assert gain(best) == max(gain(d) for d in range(depth + 1))
+    assert best_chain(0.0, 4, 0.1, 0.16) == 0
+    assert best_chain(0.99, 4, 0.0, 0.01) == 4
+
+
+def test_acceptance_estimates_follow_the_recent_rounds():
+    record = AcceptanceRecord()
+    assert record.rate(0.5, 4) == 0.5
+    for _ in range(40):
+        record.observe(offered=2, accepted=2)   # both drafts reached and accepted
+    assert record.rate(0.5, 4) > 0.9
+    for _ in range(40):
+        record.observe(offered=2, accepted=0)   # only the first reached, rejected
+    assert record.rate(0.5, 4) < 0.2   # the prior still counts 4 of ~14
+    record.observe(offered=3, accepted=1)
+    assert record.idle_rounds == 0
+
+
+def policy_request(policy: DraftPolicy, params: SamplingParams) -> Request:
+    k = policy.default_k(params, True)
+    req = Request("r", 4, params, k, 0, None, [1, 2, 3, 4])
+    req.topk, req.depth = policy.request_shape(params, k)
+    return req
+
+
+def test_a_sampled_chain_shortens_and_stops_as_its_acceptance_falls_and_probes_again():
+    policy = DraftPolicy(EngineConfig.served(sampled_draft_depth=3, draft_call_cost=0.1,
+                                             draft_step_cost=0.16))
+    req = policy_request(policy, SamplingParams(temperature=0.7))
+
+    def round_(accepted: int) -> int:
+        nodes = policy.round_shape(req, 100, 1).nodes
+        if nodes:
+            req.acceptance.observe(nodes, min(accepted, nodes))
+        else:
+            req.acceptance.idle_rounds += 1
+        return nodes
+    lengths = [round_(3) for _ in range(4)]
+    assert lengths[0] == 2 and lengths[-1] == 3        # the prior's length, then longer
+    while lengths[-1] and len(lengths) < 40:
+        lengths.append(round_(0))
+    falling = lengths[3:]
+    assert falling == sorted(falling, reverse=True) and falling[-1] == 0 and 1 in falling
+    waited = [round_(0) for _ in range(PROBE_EVERY)]
+    assert waited == [0] * (PROBE_EVERY - 1) + [1]      # then one probe draft
+    fixed = policy_request(policy, SamplingParams(temperature=0.7, draft_depth=2))
+    fixed.acceptance = req.acceptance
+    assert policy.round_shape(fixed, 100, 1).nodes == 2  # an explicit depth is kept
+
+
+def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_sampled_requests():
+    policy = DraftPolicy(EngineConfig.served(draft_call_cost=0.2, draft_step_cost=0.05,
+                                             draft_batch_cost=0.025, sampled_draft_depth=3,
+                                             max_draft_batch=0, max_sampled_draft_batch=0))
+    greedy = policy_request(policy, SamplingParams())
+    unseeded = policy_request(policy, SamplingParams(temperature=0.7))
+    seeded = policy_request(policy, SamplingParams(temperature=0.7, seed=5))
+    for req in (greedy, unseeded, seeded):
+        req.acceptance = AcceptanceRecord(reached=100, accepted=40)
+    chains = {b: [policy.round_shape(r, 100, b).nodes for r in (greedy, unseeded, seeded)]
+              for b in (1, 2, 4, 8)}
+    assert chains[1][0] == 8 and chains[2][0] == 2           # a tree alone, then chains
+    sampled = [chains[b][1] for b in (1, 2, 4, 8)]
+    assert sampled == sorted(sampled, reverse=True)          # dearer rows: shorter chains,
+    assert sampled[0] > sampled[2] > sampled[3] == 0         # then none
+    assert chains[8][0] == 0
+    assert chains[1][2] == chains[8][2] == sampled[0]        # seeded: costed as if alone
+    policy.config = EngineConfig.served(max_draft_batch=4, max_sampled_draft_batch=1,
+                                        sampled_draft_depth=3)
+    assert [policy.round_shape(r, 100, 5).nodes for r in (greedy, unseeded, seeded)] == [0, 0, 3]
+    assert [policy.round_shape(r, 100, 2).nodes for r in (greedy, unseeded, seeded)][1:] == [0, 3]
+    assert policy.round_shape(greedy, 100, 4).nodes > 0
+
+
+def test_a_request_whose_drafts_do_not_pay_skips_the_drafter_between_probes_and_stays_exact(
+        tiny_target, eagle3_head, prompts, hf_greedy):
+    # A drafter call costs two plain rounds here: one draft can never pay, so only probes draft.
+    engine = tiny_engine(tiny_target, eagle3_head, draft_call_cost=2.0, draft_step_cost=0.1,
+                         max_running=4)
+    calls = record_drafter_calls(engine)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=4)] * 4
+    results = engine.generate(prompts[:4], params)
+    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts[:4]]
+    rounds = max(r.last.num_rounds for r in results)
+    assert 0 < len(calls) <= rounds // PROBE_EVERY + 1   # probes only
+    assert all(n == 1 for call in calls for n in call)   # a probe drafts one
+    assert engine.stats.drafts == sum(len(call) for call in calls)
+    assert engine.idle_counts() == {"target_pages_free": 256, "drafter_pages_free": 256,
+                                    "draft_slots_free": 128}
+
+
+def test_adaptive_greedy_requests_with_preemption_stay_exact(tiny_target, eagle3_head, prompts,
+                                                             hf_greedy):
+    engine = tiny_engine(tiny_target, eagle3_head, draft_call_cost=0.3, draft_step_cost=0.2,
+                         page_size=8, num_target_pages=12, num_drafter_pages=12)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k) for k in (3, 2, 4, 1)]
+    results = engine.generate(prompts[:4], params)
+    assert engine.stats.preemptions > 0
+    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts[:4]]
+
+
+def sampled(seed, **kw):
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, top_k=50, seed=seed,
+                          num_speculative_tokens=3, **kw)
+
+
+ADAPTIVE = dict(draft_call_cost=0.1, draft_step_cost=0.16, sampled_draft_depth=3,
+                sampled_draft_min_prob=0.13)
+
+
+def test_adaptive_seeded_sampling_repeats_alone_batched_and_preempted(tiny_target, eagle3_head,
+                                                                      prompts):
+    params = [sampled(seed=300 + i) for i in range(6)]
+    alone = [tiny_engine(tiny_target, eagle3_head, **ADAPTIVE).generate([p], [sp])[0].token_ids
+             for p, sp in zip(prompts, params)]
+    batched = tiny_engine(tiny_target, eagle3_head, **ADAPTIVE).generate(prompts[:6], params)
+    assert [r.token_ids for r in batched] == alone
+    tight = tiny_engine(tiny_target, eagle3_head, page_size=8, num_target_pages=12,
+                        num_drafter_pages=12, **ADAPTIVE)
+    preempted = tight.generate(prompts[:6], params)
+    assert tight.stats.preemptions > 0
+    assert [r.token_ids for r in preempted] == alone
+
+
+def exact_law(target_dir, prompt: list[int], temperature: float, top_k: int, length: int
+              ) -> torch.Tensor:
+    """[6^length] the target's probability of each continuation of `length` tokens (6-token
+    vocabulary, with temperature and top-k), in base-6 order."""
+    from transformers import AutoModelForCausalLM
+    from kernels.sampling import compute_probs_ref
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float64).eval()
+    heads = list(itertools.product(range(6), repeat=length - 1))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + list(h) for h in heads])).logits
+    law = torch.ones(6 ** length, dtype=torch.float64)
+    for i, seq in enumerate(itertools.product(range(6), repeat=length)):
+        row = heads.index(seq[:-1]) if length > 1 else 0
+        for j in range(length):
+            probs = compute_probs_ref(logits[row:row + 1, len(prompt) - 1 + j], torch.tensor([temperature]),
+                                      torch.tensor([top_k]), torch.ones(1)).double()[0]
+            law[i] *= probs[seq[j]]
+    return law
+
+
+def test_sampled_chains_sized_by_acceptance_and_cut_by_confidence_follow_the_target_distribution(
+        tmp_path):
+    """A 6-token vocabulary so that draft and target overlap: the first four tokens of n
+    seeded requests (a prompt round, then chains of up to 2) against the target's exact joint
+    law, with chains sized by the request's acceptance and cut where q's top probability is
+    low."""
+    target_dir = make_tiny_llama(tmp_path / "t6", vocab_size=6, seed=3)
+    head_dir = make_random_head(tmp_path / "h6", target_dir, 1, seed=4)
+    temperature, top_k, n, prompt = 3.0, 3, 4000, [1, 4, 2, 5]
+    engine = tiny_engine(target_dir, head_dir, max_running=64, max_waiting=n, num_draft_slots=512,
+                         draft_call_cost=0.05, draft_step_cost=0.1, sampled_draft_depth=2,
+                         sampled_draft_min_prob=0.13)
+    calls = record_drafter_calls(engine)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, seed=i,
+                             num_speculative_tokens=2) for i in range(n)]
+    results = engine.generate([prompt] * n, params)
+    s = engine.stats
+    asked = sum(n for call in calls for n in call)
+    assert {n for call in calls for n in call} == {1, 2}   # acceptance sized the chains
+    assert 0 < s.draft_tokens < asked                      # q's top probability cut some
+    assert s.accepted_tokens > 0.2 * s.draft_tokens > 0    # acceptance and rejection both ran
+    counts = torch.zeros(6 ** 4)
+    for r in results:
+        counts[sum(t * 6 ** (3 - j) for j, t in enumerate(r.token_ids))] += 1
+    law = exact_law(target_dir, prompt, temperature, top_k, 4)
+    support = law > 0
+    assert int(counts[~support].sum()) == 0
+    expected = law[support] * n
+    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    assert chi2.sf(stat, int(support.sum()) - 1) > 1e-6
