@@ -141,9 +141,10 @@ class Drafter:
             tokens[active, j] = drafted
             if prune:  # path probability: greedy rows their argmax's, sampled rows their q's top
                 sampled = sampling.sampled[active]  # [A]
-                step_logp = torch.log_softmax(logits.double(), -1).amax(-1)  # [A]
+                step_logp = torch.empty(active.shape[0], dtype=torch.float64, device=self.device)
+                step_logp[~sampled] = torch.log_softmax(logits[~sampled].double(), -1).amax(-1)
                 if q is not None:  # decided from q alone, before the draft: stays lossless
-                    step_logp = torch.where(sampled, q.double().amax(-1).log(), step_logp)
+                    step_logp[sampled] = q[sampled].double().amax(-1).log()
                 path_logp[active] += step_logp
                 low = path_logp[active] < min_logp[active]
                 tokens[active[low & (sampled | (j > 0))], j] = -1  # a greedy first draft stays

@@ -147,9 +147,8 @@ class DraftPolicy:
         nothing (its confidence limits already prune it). A request drafting nothing drafts one
         again after PROBE_EVERY rounds, to measure again. A request that sets its draft_depth
         gets that depth. Nothing is drafted while more than max_draft_batch requests run
-        (sampled requests: max_sampled_draft_batch). A
-        seeded sampled request is costed as if alone, so that its output depends on its own
-        history only, not on other traffic."""
+        (sampled requests: max_sampled_draft_batch). A seeded sampled request is costed as if
+        alone, so that its output depends on its own history only, not on other traffic."""
         cfg = self.config
         load = 1 if not req.greedy and req.params.seed is not None else batch_size
         limit = cfg.max_draft_batch if req.greedy else cfg.max_sampled_draft_batch
@@ -180,11 +179,13 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
     shapes = [policy.round_shape(w.req, left, batch_size) for w, left in zip(work, lefts)]
     for w in work:
         req = w.req
-        if req.undrafted is not None:
-            w.features = torch.cat([req.undrafted, w.features])
-            req.undrafted = None
-        assert w.features.shape[0] == req.num_computed - req.draft_computed, "drafter fell behind"
+        waiting = sum(f.shape[0] for f in req.undrafted) + w.features.shape[0]
+        assert waiting == req.num_computed - req.draft_computed, "drafter fell behind"
     called = [(w, s) for w, s in zip(work, shapes) if s.nodes]
+    for w, _ in called:  # join the features of the rounds that drafted nothing, once
+        if w.req.undrafted:
+            w.features = torch.cat([*w.req.undrafted, w.features])
+            w.req.undrafted = []
     out = _call_drafter(called, drafter, pool, device) if called else None
     row = prob_row = 0
     for w, shape, left in zip(work, shapes, lefts):
@@ -202,7 +203,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
                 prob_row += len(drafts)
             row += 1
         else:
-            req.undrafted = w.features
+            req.undrafted.append(w.features)
         sources = ["eagle"] * len(drafts)
         budget = req.lookup_budget
         for branch in policy.lookups(req, left, batch_size, first_path(drafts, parents)):

@@ -131,8 +131,9 @@ class Request:
     lookup_budget: int = 0          # drafts lookup sources may add to the k of the head
     context: ContextIndex | None = None  # the request's own tokens, for context lookup
     acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)
-    undrafted: torch.Tensor | None = None  # [n, F]: target features of verified positions
-    #                                 the drafter has not seen (rounds that drafted nothing)
+    undrafted: list[torch.Tensor] = field(default_factory=list)  # [n_i, F] each: target
+    #                                 features of verified positions the drafter has not seen
+    #                                 (rounds that drafted nothing), joined when it next drafts
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
     num_sent: int = 0               # output tokens handed out

@@ -101,7 +101,7 @@ class Scheduler:
         self.workspace.free(req.draft_slots)
         req.clear_drafts()
         req.kv_moves = []  # with the pages gone, those positions are recomputed
-        req.undrafted = None
+        req.undrafted = []
 
     def retire(self, req: Request) -> None:
         """A request leaves the engine (finished, cancelled, expired or failed)."""

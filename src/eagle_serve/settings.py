@@ -21,6 +21,16 @@ DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
 
 
+def check_draft_limits(config) -> None:
+    """ValueError unless the draft policy's probability limits are in [0, 1] and its costs in
+    [0, 10] (ServingSettings and EngineConfig both carry them)."""
+    for names, high in ((("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"), 1.0),
+                        (("draft_call_cost", "draft_step_cost", "draft_batch_cost"), 10.0)):
+        for name in names:
+            if not 0.0 <= getattr(config, name) <= high:
+                raise ValueError(f"{name} must be in [0, {high:g}], got {getattr(config, name)}")
+
+
 def default_corpus_index(drafter_dir: Path | None) -> Path | None:
     """The corpus index shipped beside a head, if it has one."""
     path = drafter_dir and Path(drafter_dir) / CORPUS_INDEX_FILE
@@ -86,12 +96,7 @@ class ServingSettings:
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        for name in ("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("draft_call_cost", "draft_step_cost", "draft_batch_cost"):
-            if not 0.0 <= getattr(self, name) <= 10.0:
-                raise ValueError(f"{name} must be in [0, 10], got {getattr(self, name)}")
+        check_draft_limits(self)
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "ServingSettings":
@@ -199,12 +204,7 @@ class EngineConfig:
         if not 0 <= self.lookup_tokens <= self.max_speculative_tokens:
             raise ValueError(f"lookup_tokens must be in [0, {self.max_speculative_tokens}], "
                              f"got {self.lookup_tokens}")
-        for name in ("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("draft_call_cost", "draft_step_cost", "draft_batch_cost"):
-            if not 0.0 <= getattr(self, name) <= 10.0:
-                raise ValueError(f"{name} must be in [0, 10], got {getattr(self, name)}")
+        check_draft_limits(self)
 
 
 def parse_bool(value: str) -> bool:
