@@ -5,7 +5,9 @@
 
 A config is `K` (a chain of K drafts; 0 = plain decoding), `KxTOPKxDEPTH` (a dynamic draft
 tree: K nodes verified per round, TOPK children per node, DEPTH levels), `default` (the
-server's defaults) or `head` (the defaults with the lookup draft sources off). The prompts go
+server's defaults), `head` (the defaults with the lookup draft sources off) or `hf` (Hugging
+Face `generate` on the same weights, in this process, in `--hf-dtype`: bench.py's HFRunner; one
+stream only). The prompts go
 in groups of `--concurrency` (1: one at a time), each group through every config in turn
 (round-robin), so slow drift of the machine hits every config alike. Tokens/s per config = its
 tokens over its request latencies (groups: their wall time); speedup = that over the first
@@ -21,7 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle_serve.client import grpc_generate, metrics
+from eagle_serve import paths
+from eagle_serve.client import Generation, grpc_generate, metrics
 from eagle_serve.lookup import SOURCES
 from eagle_serve.paths import read_prompts
 from eagle_serve.requests import acceptance_length
@@ -31,7 +34,12 @@ NAMED = {"default": {},                                              # the serve
          "head": {"context_lookup": False, "corpus_lookup": False}}  # ... drafting from the head alone
 
 
+PEER = "hf"  # not a server config: transformers' generate in this process (bench.HFRunner)
+
+
 def parse_config(text: str) -> dict:
+    if text == PEER:
+        return {}
     if text in NAMED:
         return NAMED[text]
     parts = [int(x) for x in text.split("x")]
@@ -42,16 +50,42 @@ def parse_config(text: str) -> dict:
     return {"num_speculative_tokens": k, "draft_topk": topk, "draft_depth": depth}
 
 
+def hf_peer(folder: str, dtype: str):
+    """-> generate(prompt, max_tokens, temperature=0, seed=None, ...) -> Generation, through
+    transformers' generate on the target `folder` in `dtype`."""
+    from bench import HFRunner  # this script's folder is on sys.path
+
+    runner = HFRunner(folder, dtype)
+
+    def generate(prompt: str, *, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                 **_):
+        config = runner.config(max_tokens, temperature, None)
+        start = time.perf_counter()
+        ids = runner.generate(prompt, config, seed)
+        return Generation(output_ids=ids, latency_s=time.perf_counter() - start)
+    return generate
+
+
 def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str,
-            concurrency: int = 1, sampling: dict | None = None, seeded: bool = True) -> dict:
+            concurrency: int = 1, sampling: dict | None = None, seeded: bool = True,
+            hf: tuple[str, str] | None = None) -> dict:
     """Each group of `concurrency` prompts runs through every config in turn (its prompts as
     concurrent streams); tokens/s = a config's tokens over its groups' wall time. Sampled
-    requests carry a seed per prompt unless `seeded` is false."""
+    requests carry a seed per prompt unless `seeded` is false. hf: (target folder, dtype) of the
+    `hf` config (default: the default target in bf16)."""
     sampling = sampling or {}
+    if PEER in configs and concurrency != 1:
+        raise SystemExit(f"the {PEER} peer runs one stream: use --concurrency 1")
+    peer = hf_peer(*(hf or (str(paths.default_target_dir()), "bfloat16"))) if PEER in configs else None
     totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0,
                   "same_as_first": 0, "requests": 0} for c in configs}
+    def generate(config: str, prompt: str, **params):
+        if config == PEER:
+            return peer(prompt, **params)
+        return grpc_generate(url, prompt, model=model, **params, **parse_config(config))
+
     for c in configs:  # warm-up, untimed
-        grpc_generate(url, prompts[0], model=model, max_tokens=8, **parse_config(c))
+        generate(c, prompts[0], max_tokens=8)
     groups = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
     with futures.ThreadPoolExecutor(concurrency) as pool:
         for n, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
@@ -59,9 +93,8 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
             for c in configs:
                 def run(i_prompt):
                     i, prompt = i_prompt
-                    return grpc_generate(url, prompt, model=model, max_tokens=max_tokens,
-                                         **({"seed": 1000 * n + i} if sampling and seeded else {}),
-                                         **sampling, **parse_config(c))
+                    return generate(c, prompt, max_tokens=max_tokens,
+                                    **({"seed": 1000 * n + i} if sampling and seeded else {}), **sampling)
                 start = time.perf_counter()
                 gens = list(pool.map(run, enumerate(group)))
                 wall = time.perf_counter() - start
@@ -99,7 +132,7 @@ def plot(results: dict, path: Path, title: str) -> None:
         ax.annotate(f"tau {results[n]['tau']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xlabel("config: k (chain) or k x topk x depth (tree)")
+    ax.set_xlabel("config: k (chain), k x topk x depth (tree), or a named one")
     ax.set_ylabel(f"speedup vs {names[0]} (tokens/s ratio)")
     ax.set_title(title)
     fig.tight_layout()
@@ -121,6 +154,9 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="concurrent streams per config")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: sampled requests, seeded per prompt (outputs differ by config)")
+    p.add_argument("--hf-target", default=str(paths.default_target_dir()),
+                   help="the hf config's model folder (the served target's)")
+    p.add_argument("--hf-dtype", default="bfloat16", help="the hf config's dtype")
     p.add_argument("--metrics-url", help="also report the accepted tokens per draft source "
                    "(the server's Prometheus counters, before and after)")
     args = p.parse_args(argv)
@@ -129,7 +165,8 @@ def main(argv=None) -> None:
     prompts = read_prompts(args.prompts)
     before = source_counts(args.metrics_url) if args.metrics_url else None
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
-                      {"temperature": args.temperature} if args.temperature else None)
+                      {"temperature": args.temperature} if args.temperature else None,
+                      hf=(args.hf_target, args.hf_dtype))
     if before is not None:
         after = source_counts(args.metrics_url)
         results["accepted_by_source"] = {s: after[s] - before[s] for s in after}

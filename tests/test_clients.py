@@ -112,6 +112,25 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output(triton_serv
     assert "| greedy, 2 streams, 8 tokens |" in got.stdout and png.stat().st_size > 10_000
 
 
+def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(triton_server, tiny_models,
+                                                                             tmp_path):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Write a haiku about the sea."}\n')
+    out = tmp_path / "curve.json"
+    got = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--max-tokens", "8",
+               "--configs", "0", "default", "hf", "--url", server.grpc_url, "--json", str(out),
+               "--hf-target", str(tiny_models["target"]), "--hf-dtype", "float64"])
+    assert got.returncode == 0, got.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["hf"]["tokens_per_s"] > 0 and results["hf"]["tau"] == 0
+    assert all(results[c]["same_as_first"] == 2 for c in ("default", "hf"))  # float64: HF's tokens
+    assert re.search(r"hf: +[0-9.]+ tok/s", got.stdout)
+    refused = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--configs",
+                   "0", "hf", "--concurrency", "2", "--url", server.grpc_url, "--json", str(out)])
+    assert refused.returncode != 0 and "one stream" in refused.stderr
+
+
 def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
     sys.path.insert(0, str(ROOT / "clients"))
     import bench

@@ -8,6 +8,11 @@ docs/performance.md has the figures). `CpuLinear` runs that op for fp32 and bf16
 e.g. the float64 of the exactness tests, fall back to nn.functional.linear). Outputs equal
 nn.Linear's up to float rounding. GPU modules are left alone.
 
+bf16 weights are reordered once into oneDNN's blocked layout (what torch.compile's weight
+prepacking does): a decode step's linears read them ~30% faster than the plain layout, with the
+same bits. The dense weight is kept beside it (a tied LM head is also the embedding, and HF's
+modules keep views of it), so bf16 linear weights take twice their size in memory on CPU.
+
 bf16 row invariance: the bf16 inner product gives a row the same result whatever the other rows
 for 2+ rows, but a single row takes another kernel whose sums differ, so `CpuLinear` pads a
 single bf16 row with a zero row; with the row-invariant attention of kernels.paged_attention a
@@ -48,6 +53,17 @@ class CpuLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)  # [out, in]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.onednn = self.weight.dtype in ONEDNN_DTYPES and _onednn_ok()
+        self._packed: torch.Tensor | None = None  # bf16: oneDNN's blocked copy, made on first use
+
+    def _weight(self) -> torch.Tensor:
+        """The weight the inner product reads: for bf16, oneDNN's blocked layout of it (packed on
+        first use, so parts fused into one linear and never called are never packed)."""
+        if self.weight.dtype != torch.bfloat16:
+            return self.weight
+        if self._packed is None:
+            with torch.inference_mode(False):
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 2)
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):
@@ -58,9 +74,9 @@ class CpuLinear(nn.Module):
             else:
                 padded = _padded_row(self.in_features)  # [2, in]: x, then zeros
                 padded[0].copy_(x.reshape(-1))
-            out = torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(padded, self._weight(), self.bias, "none", [], "")
             return out[:1].view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._weight(), self.bias, "none", [], "")
 
 
 _PADDED: dict[tuple[int, int], torch.Tensor] = {}

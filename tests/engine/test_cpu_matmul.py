@@ -58,17 +58,37 @@ def test_fused_linears_compute_their_parts_side_by_side_and_share_their_weights(
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-@pytest.mark.parametrize("widths", [(576, 192, 192), (1536, 1536), (40, 8, 8)])
-def test_a_fused_bf16_linear_gives_a_row_the_same_bits_in_any_batch(widths):
-    """What the bitwise verify == decode guarantee rests on, for the fused GEMM shapes (SmolLM2's
-    q/k/v and gate/up, and a tiny model's): row r alone, and among 2 .. 20 rows, equal bitwise."""
+@pytest.mark.parametrize("width,parts", [(576, (576, 192, 192)), (576, (1536, 1536)), (1536, (576,)),
+                                         (40, (40, 8, 8))])
+def test_a_fused_bf16_linear_gives_a_row_the_same_bits_in_any_batch(width, parts):
+    """What the bitwise verify == decode guarantee rests on, for the GEMM shapes (SmolLM2's fused
+    q/k/v and gate/up, its down projection, and a tiny model's), through oneDNN's packed weights:
+    row r alone, and among 2 .. 20 rows, equal bitwise."""
     torch.manual_seed(0)
-    fused = fuse_linears([CpuLinear(nn.Linear(576, w, bias=False).to(torch.bfloat16)) for w in widths])
-    x = torch.randn(20, 576, dtype=torch.bfloat16)
+    fused = fuse_linears([CpuLinear(nn.Linear(width, w, bias=False).to(torch.bfloat16)) for w in parts])
+    x = torch.randn(20, width, dtype=torch.bfloat16)
     with torch.inference_mode():
         alone = torch.cat([fused(x[r:r + 1]) for r in range(20)])
         for rows in range(2, 21):
             assert torch.equal(fused(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_bf16_linear_packs_its_weight_once_on_first_use_and_computes_the_dense_weights_bits():
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 96).to(torch.bfloat16)
+    linear = CpuLinear(dense)
+    assert linear._packed is None  # fused parts that never run are never packed
+    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = linear(x)
+        packed = linear._packed
+        assert packed is not None and packed.layout == torch._mkldnn
+        expected = torch.ops.mkldnn._linear_pointwise(x, dense.weight, dense.bias, "none", [], "")
+        assert torch.equal(out, expected)
+        linear(x[:3])
+    assert linear._packed is packed
+    assert torch.equal(linear.weight, dense.weight)  # the dense weight stays for tied embeddings
 
 
 def test_a_target_forward_runs_four_linears_per_layer_and_the_lm_head(tiny_target):
