@@ -143,7 +143,8 @@ class DraftPolicy:
 
     def _paying_depth(self, req: Request, depth: int, batch_size: int) -> int:
         """The depth the request's measured acceptance pays for: a chain the best length up to
-        `depth` (`best_chain`; each draft costs more the more requests run), a tree all or
+        `depth` (`best_chain`; the drafter call's cost is shared by the running requests, and
+        each draft costs more the more requests run), a tree all or
         nothing (its confidence limits already prune it). A request drafting nothing drafts one
         again after PROBE_EVERY rounds, to measure again. A request that sets its draft_depth
         gets that depth. Nothing is drafted while more than max_draft_batch requests run
@@ -158,9 +159,12 @@ class DraftPolicy:
         if depth == 0 or fixed or not (cfg.draft_call_cost or cfg.draft_step_cost):
             return depth
         tree = req.topk > 1 and self._trees_allowed(batch_size)
+        # One drafter call serves every drafting request of the round, so each bears a share of
+        # it; verify rows, in turn, cost more in a fuller batch.
+        call_cost = cfg.draft_call_cost / load
         step_cost = cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1)
         rate = req.acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
-        best = best_chain(rate, 1 if tree else depth, cfg.draft_call_cost, step_cost)
+        best = best_chain(rate, 1 if tree else depth, call_cost, step_cost)
         if best == 0:
             return 1 if req.acceptance.idle_rounds >= PROBE_EVERY else 0
         return depth if tree else best

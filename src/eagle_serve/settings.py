@@ -70,7 +70,7 @@ class ServingSettings:
     #                                            plain decoding round: a request drafts the chain
     #                                            its measured acceptance pays for, or nothing for
     #                                            a while (both 0 = fixed shapes, never off)
-    draft_batch_cost: float = 0.025            # added to draft_step_cost per further running
+    draft_batch_cost: float = 0.08             # added to draft_step_cost per further running
     #                                            request (verify rows stop being free)
     max_draft_batch: int = 4                   # no drafting while more requests run (seeded
     #                                            sampled ones excepted); 0 = no limit

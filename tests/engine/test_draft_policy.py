@@ -85,9 +85,20 @@ def test_a_sampled_chain_shortens_and_stops_as_its_acceptance_falls_and_probes_a
     assert policy.round_shape(fixed, 100, 1).nodes == 2  # an explicit depth is kept
 
 
+def test_requests_that_share_a_drafter_call_draft_where_one_alone_would_not():
+    """The drafter call's cost is split among the running requests: with cheap verify rows
+    (no batch cost), a rate too low to pay for a call alone pays for a share of one."""
+    policy = DraftPolicy(EngineConfig.served(draft_call_cost=0.2, draft_step_cost=0.05,
+                                             draft_batch_cost=0.0, max_draft_batch=0))
+    req = policy_request(policy, SamplingParams())  # a tree alone, chains in a batch
+    req.acceptance = AcceptanceRecord(reached=100, accepted=20)  # rate ~0.2
+    assert best_chain(0.2, 3, 0.2, 0.05) == 0 and best_chain(0.2, 3, 0.1, 0.05) == 1
+    assert [policy.round_shape(req, 100, b).nodes for b in (1, 2, 4)] == [0, 1, 1]
+
+
 def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_sampled_requests():
     policy = DraftPolicy(EngineConfig.served(draft_call_cost=0.2, draft_step_cost=0.05,
-                                             draft_batch_cost=0.025, sampled_draft_depth=3,
+                                             draft_batch_cost=0.08, sampled_draft_depth=3,
                                              max_draft_batch=0, max_sampled_draft_batch=0))
     greedy = policy_request(policy, SamplingParams())
     unseeded = policy_request(policy, SamplingParams(temperature=0.7))
