@@ -3,9 +3,10 @@
     python clients/forward_bench.py
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
-16 rows (torch's nn.Linear vs CpuLinear, fp32 and bf16, the latter packed), then the default
-target's bf16 forward for 1 to 16 new tokens of one request at context 200, its linears reading
-oneDNN's packed weights or the dense ones (interleaved). docs/performance.md quotes it.
+16 rows (torch's nn.Linear vs CpuLinear, fp32 and, where oneDNN runs it, bf16; CpuLinear packed),
+then the default target's forward in the server's `auto` dtype (bf16 on CPUs with native bf16,
+else fp32) for 1 to 16 new tokens of one request at context 200, its linears reading oneDNN's
+packed weights or the dense ones (interleaved). docs/performance.md quotes it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from torch import nn
 
 from eagle_serve import paths
-from eagle_serve.cpu_matmul import CpuLinear
+from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
+from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from forward_profile import decode_batch  # this script's folder is on sys.path
 
@@ -28,11 +30,13 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
     plain = [nn.Linear(i, o, bias=False) for o, i in shapes]
     ours = [CpuLinear(m) for m in plain]
     ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
-    print("rows  nn.Linear ms  CpuLinear ms  CpuLinear bf16 (packed) ms")
+    configs = [(plain, torch.float32), (ours, torch.float32)]
+    configs += [(ours_bf16, torch.bfloat16)] if onednn_bf16() else []
+    print("rows  nn.Linear ms  CpuLinear ms" + ("  CpuLinear bf16 ms" if onednn_bf16() else ""))
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 8, 16):
             times = []
-            for mods, dtype in ((plain, torch.float32), (ours, torch.float32), (ours_bf16, torch.bfloat16)):
+            for mods, dtype in configs:
                 xs = {i: torch.randn(rows, i, dtype=dtype) for i in (hidden, inter)}
                 runs = []
                 for _ in range(repeats):
@@ -41,14 +45,15 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
                         m(xs[m.in_features])
                     runs.append(time.perf_counter() - start)
                 times.append(sorted(runs)[repeats // 2] * 1e3)
-            print(f"{rows:4d}  {times[0]:12.1f}  {times[1]:12.1f}  {times[2]:17.1f}", flush=True)
+            print(f"{rows:4d}  " + "  ".join(f"{t:12.1f}" for t in times), flush=True)
 
 
 def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:
-    """Median time of the default target's bf16 forward (+ LM head) for `rows` new tokens of one
-    request at `context`, its linears reading oneDNN's packed weights or the dense ones
-    (interleaved)."""
-    model = TargetModel(paths.default_target_dir(), dtype=torch.bfloat16, num_pages=64)
+    """Median time of the default target's forward (+ LM head, `auto` dtype) for `rows` new
+    tokens of one request at `context`, its linears reading oneDNN's packed weights or the dense
+    ones (interleaved)."""
+    dtype = torch_dtype("auto")
+    model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
     model.logits(decode_batch(1, context), torch.arange(1))  # packs every linear it runs
     linears = [m for m in model.hf.modules() if isinstance(m, CpuLinear) and m._packed is not None]
     weights = {"dense": [m.weight.detach() for m in linears], "packed": [m._packed for m in linears]}
@@ -62,7 +67,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
                 start = time.perf_counter()
                 model.logits(batch, torch.arange(rows))
                 times.setdefault((rows, name), []).append(time.perf_counter() - start)
-    print(f"bf16 target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
+    print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
     for rows in rows_list:
         cells = []
         for name in ("dense", "packed"):

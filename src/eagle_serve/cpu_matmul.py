@@ -8,10 +8,13 @@ docs/performance.md has the figures). `CpuLinear` runs that op for fp32 and bf16
 e.g. the float64 of the exactness tests, fall back to nn.functional.linear). Outputs equal
 nn.Linear's up to float rounding. GPU modules are left alone.
 
-bf16 weights are reordered once into oneDNN's blocked layout (what torch.compile's weight
-prepacking does): a decode step's linears read them ~30% faster than the plain layout, with the
-same bits. The dense weight is kept beside it (a tied LM head is also the embedding, and HF's
-modules keep views of it), so bf16 linear weights take twice their size in memory on CPU.
+Weights are reordered once into oneDNN's blocked layout (what torch.compile's weight
+prepacking does): a bf16 decode step's linears read them ~30% faster than the plain layout,
+with the same bits, and fp32 verify rows cost a few percent each instead of 1.6x a decode step
+for the second row (AVX2). The dense weight is kept beside it (a tied LM head is also the
+embedding, and HF's modules keep views of it), so linear weights take twice their size in
+memory on CPU. oneDNN runs bf16 only on CPUs with AVX512 (or AVX-NE-CONVERT): elsewhere bf16
+linears are nn.functional.linear's, and `auto` picks fp32 there.
 
 bf16 row invariance: the bf16 inner product gives a row the same result whatever the other rows
 for 2+ rows, but a single row takes another kernel whose sums differ, so `CpuLinear` pads a
@@ -21,6 +24,7 @@ would cost ~20% of a decode step, so fp32 keeps the statistical exactness of flo
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -28,6 +32,10 @@ from torch import nn
 
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# The row count oneDNN lays packed weights out for. fp32 packed for 1 row (or dense) runs 2+ rows
+# on a slow kernel (on an AVX2 CPU the linears of 2 rows cost 1.6x one's); packed for 8, 2 rows
+# cost 1.03x and 16 rows 2.2x. bf16 keeps the layout its row-invariance was tested with.
+PACK_ROWS = {torch.float32: 8, torch.bfloat16: 2}
 
 
 def native_bf16() -> bool:
@@ -44,6 +52,22 @@ def _onednn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 inner products here (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT;
+    AVX2-only CPUs refuse them, and bf16 linears there are nn.functional.linear's, with no
+    row-invariance promise)."""
+    if not _onednn_ok():
+        return False
+    try:
+        x = torch.zeros(2, 8, dtype=torch.bfloat16)
+        torch.ops.mkldnn._linear_pointwise(x, torch.zeros(4, 8, dtype=torch.bfloat16), None,
+                                           "none", [], "")
+        return True
+    except RuntimeError:
+        return False
+
+
 class CpuLinear(nn.Module):
     """Inference-only drop-in for an nn.Linear on CPU: x [..., in] -> [..., out]."""
 
@@ -52,17 +76,15 @@ class CpuLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)  # [out, in]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.onednn = self.weight.dtype in ONEDNN_DTYPES and _onednn_ok()
-        self._packed: torch.Tensor | None = None  # bf16: oneDNN's blocked copy, made on first use
+        self.onednn = (self.weight.dtype == torch.float32 and _onednn_ok()
+                       or self.weight.dtype == torch.bfloat16 and onednn_bf16())
+        self._packed: torch.Tensor | None = None  # oneDNN's blocked copy, made on first use
 
     def _weight(self) -> torch.Tensor:
-        """The weight the inner product reads: for bf16, oneDNN's blocked layout of it (packed on
-        first use, so parts fused into one linear and never called are never packed)."""
-        if self.weight.dtype != torch.bfloat16:
-            return self.weight
+        """The weight the inner product reads: oneDNN's blocked layout of it (packed on first
+        use, so parts fused into one linear and never called are never packed)."""
         if self._packed is None:
-            with torch.inference_mode(False):
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 2)
+            self._packed = _packed(self.weight.detach())
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +99,18 @@ class CpuLinear(nn.Module):
             out = torch.ops.mkldnn._linear_pointwise(padded, self._weight(), self.bias, "none", [], "")
             return out[:1].view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self._weight(), self.bias, "none", [], "")
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a weight, laid out for PACK_ROWS rows (fp32 falls back to the
+    dense weight where oneDNN will not reorder it)."""
+    with torch.inference_mode(False):
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS[weight.dtype])
+        except RuntimeError:
+            if weight.dtype == torch.bfloat16:
+                raise
+            return weight
 
 
 _PADDED: dict[tuple[int, int], torch.Tensor] = {}

@@ -7,7 +7,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from eagle_serve.checkpoints import load_drafter
-from eagle_serve.cpu_matmul import CpuLinear
+from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel, fuse_linears
@@ -57,7 +57,7 @@ def test_fused_linears_compute_their_parts_side_by_side_and_share_their_weights(
         fuse_linears([CpuLinear(nn.Linear(4, 4)), CpuLinear(nn.Linear(4, 4, bias=False))])
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.skipif(not onednn_bf16(), reason="needs oneDNN bf16 inner products (AVX512)")
 @pytest.mark.parametrize("width,parts", [(576, (576, 192, 192)), (576, (1536, 1536)), (1536, (576,)),
                                          (40, (40, 8, 8))])
 def test_a_fused_bf16_linear_gives_a_row_the_same_bits_in_any_batch(width, parts):
@@ -73,19 +73,26 @@ def test_a_fused_bf16_linear_gives_a_row_the_same_bits_in_any_batch(width, parts
             assert torch.equal(fused(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_a_bf16_linear_packs_its_weight_once_on_first_use_and_computes_the_dense_weights_bits():
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        not onednn_bf16(), reason="needs oneDNN bf16 inner products (AVX512)"))])
+def test_a_linear_packs_its_weight_once_on_first_use_and_computes_what_the_dense_weight_does(dtype):
+    """bf16: the same bits; fp32 (another summation order): the same up to rounding."""
     torch.manual_seed(0)
-    dense = nn.Linear(64, 96).to(torch.bfloat16)
+    dense = nn.Linear(64, 96).to(dtype)
     linear = CpuLinear(dense)
     assert linear._packed is None  # fused parts that never run are never packed
-    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    x = torch.randn(9, 64, dtype=dtype)
     with torch.inference_mode():
         out = linear(x)
         packed = linear._packed
         assert packed is not None and packed.layout == torch._mkldnn
         expected = torch.ops.mkldnn._linear_pointwise(x, dense.weight, dense.bias, "none", [], "")
-        assert torch.equal(out, expected)
+        if dtype == torch.bfloat16:
+            assert torch.equal(out, expected)
+        else:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         linear(x[:3])
     assert linear._packed is packed
     assert torch.equal(linear.weight, dense.weight)  # the dense weight stays for tied embeddings
@@ -104,7 +111,7 @@ def test_a_target_forward_runs_four_linears_per_layer_and_the_lm_head(tiny_targe
     assert calls["aten::linear"] == 4 * target.num_layers + 1
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.skipif(not onednn_bf16(), reason="needs oneDNN bf16 inner products (AVX512)")
 def test_a_single_bf16_row_gets_its_two_row_bits_in_and_out_of_inference_mode():
     """The padded single row runs through a reused buffer: it must not keep an old row's values
     or refuse writes in either mode."""
