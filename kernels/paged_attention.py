@@ -23,6 +23,8 @@ the keys a block at a time, finding each key's slot through the block table (any
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -61,21 +63,64 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     num_req = block_tables.shape[0]
     page_size, kv_heads, head_dim = k_cache.shape[1:]
+    plan = _batch_plan(q.shape[0], page_size, block_tables, cu_seqlens_q, seq_lens, tree_mask,
+                       window, positions)
+    mask = plan.mask
+    max_ctx = mask.shape[2]
+    keys = torch.index_select(k_cache, 0, plan.flat).reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]  # [B, C, Hkv, D]
+    values = torch.index_select(v_cache, 0, plan.flat).reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]
+    # [B, Q, Hq, D]; where every request has Q queries, a view
+    q_pad = q.reshape(num_req, -1, *q.shape[1:]) if plan.all_valid else q[plan.q_index]
+    q_t, k_t, v_t = (x.transpose(1, 2).to(q.dtype) for x in (q_pad, keys, values))
+    if softcap > 0:  # SDPA has no soft-capping: the same math written out
+        group = q.shape[1] // kv_heads
+        scores = q_t @ k_t.repeat_interleave(group, 1).transpose(2, 3) * scale  # [B, Hq, Q, C]
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask.unsqueeze(1), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v_t.repeat_interleave(group, 1)  # [B, Hq, Q, D]
+    else:
+        out = F.scaled_dot_product_attention(q_t, k_t, v_t, scale=scale, enable_gqa=True,
+                                             attn_mask=None if plan.unmasked else mask.unsqueeze(1))  # [B, Hq, Q, D]
+    if plan.all_valid:
+        return out.transpose(1, 2).reshape(q.shape)
+    return out.transpose(1, 2)[plan.q_valid]  # [T, Hq, D]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    flat: torch.Tensor        # [B * P] page index (index_select: much faster than indexing
+    #                           with the table on CPU)
+    q_valid: torch.Tensor     # [B, Q] bool
+    q_index: torch.Tensor     # [B, Q]: row i of request b is token cu[b] + i
+    mask: torch.Tensor        # [B, Q, C] bool
+    all_valid: bool           # every request has Q queries (the padded layout is a view)
+    unmasked: bool            # every query sees every key (a decode step)
+
+
+_BATCH_PLAN: list = [None]  # [(key, plan)]: every layer of a forward asks for the same plan
+
+
+def _batch_plan(num_tokens, page_size, block_tables, cu_seqlens_q, seq_lens, tree_mask, window,
+                positions):
+    """What paged_attention_ref's batch needs besides the tensors of a layer, built once per
+    forward (every layer asks the same; the key holds the contents, so a reused tensor cannot
+    alias) -> BatchPlan."""
+    on_cpu = block_tables.device.type == "cpu"
+    key = None
+    if on_cpu:  # (elsewhere the key would cost a device sync per layer)
+        key = tuple(x.numpy().tobytes() if x is not None else None
+                    for x in (block_tables, cu_seqlens_q, seq_lens, tree_mask,
+                              positions if window > 0 else None)) + (num_tokens, window)
+        cached = _BATCH_PLAN[0]  # one read: another thread may replace it
+        if cached is not None and cached[0] == key:
+            return cached[1]
     n_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [B]
     max_q, max_ctx = int(n_q.max()), int(seq_lens.max())
-    pages_needed = -(-max_ctx // page_size)
-    tables = block_tables[:, :pages_needed].clamp(min=0)
-    flat = tables.reshape(-1)  # index_select: much faster than indexing with `tables` on CPU
-    keys = torch.index_select(k_cache, 0, flat).reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]  # [B, C, Hkv, D]
-    values = torch.index_select(v_cache, 0, flat).reshape(num_req, -1, kv_heads, head_dim)[:, :max_ctx]
-
-    # Padded query layout: row i of request b is token cu[b] + i.
-    i = torch.arange(max_q, device=q.device)
+    flat = block_tables[:, :-(-max_ctx // page_size)].clamp(min=0).reshape(-1)
+    i = torch.arange(max_q, device=cu_seqlens_q.device)
     q_valid = i.unsqueeze(0) < n_q.unsqueeze(1)  # [B, Q]
-    q_index = (cu_seqlens_q[:-1].unsqueeze(1) + i).clamp(max=q.shape[0] - 1)  # [B, Q]
-    q_pad = q[q_index]  # [B, Q, Hq, D]
+    q_index = (cu_seqlens_q[:-1].unsqueeze(1) + i).clamp(max=num_tokens - 1)  # [B, Q]
     q_pos = seq_lens.unsqueeze(1) - n_q.unsqueeze(1) + i  # [B, Q]
-    k_pos = torch.arange(max_ctx, device=q.device)
+    k_pos = torch.arange(max_ctx, device=cu_seqlens_q.device)
     # Valid rows have q_pos < seq_len, so this also hides keys past the context; padded rows
     # see at least key 0 (no NaN) and are dropped below.
     mask = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)  # [B, Q, C]
@@ -85,16 +130,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if window > 0:
         mask = mask & (_in_window(positions, cu_seqlens_q, n_q, seq_lens, q_index, q_pos, max_ctx,
                                   window) | ~q_valid.unsqueeze(2))
-    q_t, k_t, v_t = (x.transpose(1, 2).to(q.dtype) for x in (q_pad, keys, values))
-    if softcap > 0:  # SDPA has no soft-capping: the same math written out
-        group = q.shape[1] // kv_heads
-        scores = q_t @ k_t.repeat_interleave(group, 1).transpose(2, 3) * scale  # [B, Hq, Q, C]
-        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask.unsqueeze(1), float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v_t.repeat_interleave(group, 1)  # [B, Hq, Q, D]
-    else:
-        out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask.unsqueeze(1), scale=scale,
-                                             enable_gqa=True)  # [B, Hq, Q, D]
-    return out.transpose(1, 2)[q_valid]  # [T, Hq, D]
+    plan = BatchPlan(flat, q_valid, q_index, mask, bool(q_valid.all()), bool(mask.all()))
+    if on_cpu:
+        _BATCH_PLAN[0] = (key, plan)
+    return plan
 
 
 def _in_window(positions, cu_seqlens_q, n_q, seq_lens, q_index, q_pos, max_ctx, window):
