@@ -138,6 +138,67 @@ def random_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
     return out, num
 
 
+def random_tree_accept_ref(draft_ids: torch.Tensor, parents: torch.Tensor,
+                          cu_num_drafts: torch.Tensor, target_probs: torch.Tensor,
+                          draft_probs: torch.Tensor, seeds: list[int], positions: list[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling down draft trees (SpecInfer; Chen et al. 2023, multi-draft):
+    at a node, its children are tried in index order, child i (token x, drawn from its own
+    q_i, independently of the target's noise) accepted with probability min(1, r(x) / q_i(x)),
+    where r starts as the target's p at the node and becomes normalize(max(0, r - q_i)) after
+    each rejection; the first accepted child becomes the node, and where every child is
+    rejected the token is sampled from the last r (p itself at a leaf). Each try is one
+    ordinary speculative-sampling step for r, so the emitted token follows p exactly; a child
+    proposed deterministically (a lookup) has a one-hot q. Children hold distinct tokens (a
+    token tried and rejected has r = 0 from then on anyway).
+
+    Arguments as in greedy_tree_accept, plus draft_probs [N, V] (node i's q) and the seeds and
+    positions of random_accept_ref. Keys: a node at depth d draws its tries' uniforms from
+    (seed, position + d, ACCEPT) and its residual from (seed, position + d, RESIDUAL) (SAMPLE
+    at a leaf), so a chain gets random_accept_ref's answer.
+    -> out [B, max_k+1] (-1 padded), num_emitted [B], path [B, max_k] (-1 padded)
+    """
+    assert draft_ids.shape == parents.shape and draft_ids.ndim == 1
+    assert target_probs.shape[0] == draft_ids.shape[0] + cu_num_drafts.shape[0] - 1
+    assert draft_probs.shape == (draft_ids.shape[0], target_probs.shape[1])
+    cu = cu_num_drafts.tolist()
+    num_req = len(cu) - 1
+    max_k = max((cu[b + 1] - cu[b] for b in range(num_req)), default=0)
+    out = torch.full((num_req, max_k + 1), -1, dtype=torch.int64)
+    path = torch.full((num_req, max_k), -1, dtype=torch.int64)
+    num = torch.zeros(num_req, dtype=torch.int64)
+    drafts, parent = draft_ids.tolist(), parents.tolist()
+    for b in range(num_req):
+        seed, pos = seeds[b], positions[b]
+        children: dict[int, list[int]] = {}
+        for n in range(cu[b], cu[b + 1]):
+            children.setdefault(parent[n], []).append(n)
+        emitted, accepted, node = [], [], -1
+        while True:
+            depth = len(accepted)
+            r = target_probs[cu[b] + b + node + 1].double()  # row of the node (root: its first)
+            kids = children.get(node, [])
+            u = keyed_uniform(seed, pos + depth, ACCEPT, max(1, len(kids)))
+            child = None
+            for i, n in enumerate(kids):
+                x, q = drafts[n], draft_probs[n].double()
+                if q[x] > 0 and u[i] * q[x] <= r[x]:  # u < r/q without dividing
+                    child = n
+                    break
+                residual = (r - q).clamp(min=0)
+                r = residual / residual.sum() if float(residual.sum()) > 0 else r  # r == q: be safe
+            if child is None:
+                emitted.append(_race(r, seed, pos + depth, RESIDUAL if kids else SAMPLE))
+                break
+            emitted.append(drafts[child])
+            accepted.append(child - cu[b])
+            node = child - cu[b]
+        out[b, :len(emitted)] = torch.tensor(emitted)
+        path[b, :len(accepted)] = torch.tensor(accepted, dtype=torch.int64)
+        num[b] = len(emitted)
+    return out, num, path
+
+
 def _race(p: torch.Tensor, seed: int, position: int, purpose: int) -> int:
     u = keyed_uniform(seed, position, purpose, p.shape[0], device=p.device)
     return int(torch.argmax(p / -torch.log(u)))

@@ -5,7 +5,8 @@ k nodes; sampled requests and k = 0 draft chains), what a round may draft (depth
 tokens the request may still emit; a chain of the tree's depth when more than `max_tree_batch`
 requests run), the confidence limits on greedy drafts, and the model-free sources: a greedy
 request's tree also gets the continuations looked up in its own tokens and in the corpus of the
-target's answers (eagle_serve.lookup) as extra branches, merged where they agree with the head's.
+target's answers (eagle_serve.lookup) as extra branches, merged where they agree with the head's;
+a sampled request's head chain gets them too, as one-hot proposals.
 Each request's measured acceptance decides whether drafting pays (`best_chain`, with the costs
 draft_call_cost, draft_step_cost and draft_batch_cost: verify rows cost more in a fuller batch):
 chains take the length it pays for, and a request whose drafts do not pay drafts nothing and
@@ -79,8 +80,9 @@ class DraftPolicy:
 
     def request_shape(self, params: SamplingParams, k: int) -> tuple[int, int]:
         """-> (topk, depth) of a request's drafts: depth <= k; sampled requests draft chains of
-        sampled_draft_depth (rejection sampling over a tree would need per-node draft
-        distributions; deeper chains of a weak head cost more drafter steps than they win)."""
+        sampled_draft_depth from the head (a head tree would need several draws per node;
+        deeper chains of a weak head cost more drafter steps than they win), beside their
+        lookup branches."""
         cfg = self.config
         if k == 0:
             return 1, 0
@@ -91,10 +93,11 @@ class DraftPolicy:
         return topk, min(depth or k, k)
 
     def setup_lookup(self, req: Request) -> None:
-        """Greedy speculative requests get lookup branches (each source: at most lookup_tokens
-        drafts beyond the head's k)."""
-        p, n = req.params, self.config.lookup_tokens
-        if not (req.greedy and req.k and n):
+        """Speculative requests get lookup branches (each source: at most lookup_tokens drafts
+        beyond the head's k). A sampled request's lookups are proposals with a one-hot q,
+        verified by recursive rejection sampling (kernels.rejection.random_tree_accept_ref)."""
+        p, n = req.params, self.lookup_tokens(req)
+        if not (req.k and n):
             return
         sources = int(p.context_lookup) + int(p.corpus_lookup and self.corpus is not None)
         req.lookup_budget = sources * n
@@ -105,14 +108,14 @@ class DraftPolicy:
                 ) -> list[Proposal]:
         """The request's lookup branches this round: continuations of its tokens, and of its
         tokens + the head's most likely path (so a confident head's path goes deeper), each
-        source at most lookup_tokens long, every branch at most `left` deep (longest first)."""
+        source at most lookup_tokens long (sampled requests: sampled_lookup_tokens), every branch at most `left` deep (longest first)."""
         cfg = self.config
         depth = min(left, cfg.max_speculative_tokens)
-        if not req.lookup_budget or depth <= 0 or not self._trees_allowed(batch_size):
+        if not req.lookup_budget or depth <= 0 or not self._lookups_allowed(req, batch_size):
             return []
         found = []
         for prefix in ([], list(head_path))[:1 + bool(head_path)]:
-            limit = min(cfg.lookup_tokens, depth - len(prefix))
+            limit = min(self.lookup_tokens(req), depth - len(prefix))
             if limit <= 0:
                 continue
             proposed = []
@@ -124,9 +127,20 @@ class DraftPolicy:
             found += [Proposal(prefix + p.tokens, p.source, p.match) for p in proposed if p]
         return sorted(found, key=lambda p: -len(p.tokens))
 
+    def lookup_tokens(self, req: Request) -> int:
+        cfg = self.config
+        return cfg.lookup_tokens if req.greedy else cfg.sampled_lookup_tokens
+
     def _trees_allowed(self, batch_size: int) -> bool:
         limit = self.config.max_tree_batch
         return limit == 0 or batch_size <= limit
+
+    def _lookups_allowed(self, req: Request, batch_size: int) -> bool:
+        """Greedy requests: while trees are; sampled ones: while they may draft at all."""
+        if req.greedy:
+            return self._trees_allowed(batch_size)
+        limit = self.config.max_sampled_draft_batch
+        return limit == 0 or _load(req, batch_size) <= limit
 
     def round_shape(self, req: Request, left: int, batch_size: int) -> RoundShape:
         """`left` = tokens the request may still add after the next one. A tree of depth D
@@ -148,10 +162,9 @@ class DraftPolicy:
         nothing (its confidence limits already prune it). A request drafting nothing drafts one
         again after PROBE_EVERY rounds, to measure again. A request that sets its draft_depth
         gets that depth. Nothing is drafted while more than max_draft_batch requests run
-        (sampled requests: max_sampled_draft_batch). A seeded sampled request is costed as if
-        alone, so that its output depends on its own history only, not on other traffic."""
+        (sampled requests: max_sampled_draft_batch), and a request's load is `_load`'s."""
         cfg = self.config
-        load = 1 if not req.greedy and req.params.seed is not None else batch_size
+        load = _load(req, batch_size)
         limit = cfg.max_draft_batch if req.greedy else cfg.max_sampled_draft_batch
         if limit and load > limit:
             return 0
@@ -168,6 +181,12 @@ class DraftPolicy:
         if best == 0:
             return 1 if req.acceptance.idle_rounds >= PROBE_EVERY else 0
         return depth if tree else best
+
+
+def _load(req: Request, batch_size: int) -> int:
+    """The batch size a request's policy sees: a seeded sampled request is costed as if alone,
+    so that its output depends on its own history only, not on other traffic."""
+    return 1 if not req.greedy and req.params.seed is not None else batch_size
 
 
 def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftPolicy,
@@ -209,15 +228,25 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         else:
             req.undrafted.append(w.features)
         sources = ["eagle"] * len(drafts)
-        budget = req.lookup_budget
+        budget, num_head = req.lookup_budget, len(drafts)
         for branch in policy.lookups(req, left, batch_size, first_path(drafts, parents)):
             budget -= merge_branch(drafts, parents, sources, branch, budget)
         slots = workspace.alloc(len(drafts))
         if slots is None:  # no free slots: this round verifies no drafts
             continue
-        if q is not None:
-            workspace.store(slots, q)
+        if not req.greedy and drafts:
+            workspace.store(slots, _with_lookups(q, drafts[num_head:], workspace.vocab_size))
         req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
+
+
+def _with_lookups(q: torch.Tensor | None, lookups: list[int], vocab_size: int) -> torch.Tensor:
+    """[n_head, V] the head drafts' q -> [n_head + n_lookup, V], a lookup proposal's q one-hot
+    at its token (it is proposed with certainty)."""
+    one_hot = torch.zeros((len(lookups), vocab_size),
+                          dtype=q.dtype if q is not None else torch.float32,
+                          device=q.device if q is not None else "cpu")
+    one_hot[torch.arange(len(lookups)), torch.tensor(lookups, dtype=torch.int64)] = 1.0
+    return one_hot if q is None else torch.cat([q, one_hot])
 
 
 def _call_drafter(called: list[tuple[DraftWork, RoundShape]], drafter: DrafterRunner,

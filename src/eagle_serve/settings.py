@@ -78,6 +78,7 @@ class ServingSettings:
     #                                            rows cost more); 0 = no limit
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
+    sampled_lookup_tokens: int = 0             # the same beside a sampled request's chain (0 = off)
     lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
     #                                            corpus-index.npz if it has one; "none" = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
@@ -123,7 +124,8 @@ class ServingSettings:
 
     def corpus_index_path(self, repo_dir: Path, drafter_dir: Path | None) -> Path | None:
         """The lookup corpus index to load, if any."""
-        if self.lookup_corpus in ("", "none") or drafter_dir is None or self.lookup_tokens == 0:
+        if self.lookup_corpus in ("", "none") or drafter_dir is None or (
+                self.lookup_tokens == 0 and self.sampled_lookup_tokens == 0):
             return None
         if self.lookup_corpus == "default":
             return default_corpus_index(drafter_dir)
@@ -171,6 +173,7 @@ class EngineConfig:
     max_draft_batch: int
     max_sampled_draft_batch: int
     lookup_tokens: int
+    sampled_lookup_tokens: int
     max_stop_strings: int
     max_stop_bytes: int
     request_timeout_s: float
@@ -201,9 +204,10 @@ class EngineConfig:
         if not 1 <= self.sampled_draft_depth <= self.max_draft_depth:
             raise ValueError(f"sampled_draft_depth must be in [1, {self.max_draft_depth}], "
                              f"got {self.sampled_draft_depth}")
-        if not 0 <= self.lookup_tokens <= self.max_speculative_tokens:
-            raise ValueError(f"lookup_tokens must be in [0, {self.max_speculative_tokens}], "
-                             f"got {self.lookup_tokens}")
+        for name in ("lookup_tokens", "sampled_lookup_tokens"):
+            if not 0 <= getattr(self, name) <= self.max_speculative_tokens:
+                raise ValueError(f"{name} must be in [0, {self.max_speculative_tokens}], "
+                                 f"got {getattr(self, name)}")
         check_draft_limits(self)
 
 

@@ -6,7 +6,8 @@ then its drafts. Draft node i is stored at position len(tokens) + i but rotated 
 len(tokens) - 1 + depth_i, and sees only its ancestors (a chain sees every earlier draft).
 Acceptance: greedy rows take the longest root path whose tokens equal the target's argmax, then
 the target's own token (so greedy output is exactly plain greedy output); sampled rows run
-rejection sampling with the drafts' real probabilities. The accepted path's KV entries belong
+rejection sampling with the drafts' real probabilities (recursive, over a tree whose lookup
+branches have one-hot probabilities; trees run the reference sampler, a Python walk per request). The accepted path's KV entries belong
 at contiguous positions: those moves go with the next forward (`kv_moves`), so the pages that
 hold their sources stay until then.
 """
@@ -24,7 +25,8 @@ from eagle_serve.kv_pages import PagePool
 from eagle_serve.lookup import SOURCES
 from eagle_serve.requests import Request
 from eagle_serve.workspace import DraftWorkspace
-from kernels.rejection import greedy_accept, greedy_tree_accept, random_accept
+from kernels.rejection import (greedy_accept, greedy_tree_accept, random_accept,
+                               random_tree_accept_ref)
 
 
 @dataclass
@@ -190,11 +192,18 @@ def accept(result: TargetOutput, vb: VerifyBatch, workspace: DraftWorkspace, voc
         drafts, cu = _flat_drafts(reqs, device)
         q = (workspace.load([s for r in reqs for s in r.draft_slots]) if len(drafts)
              else torch.zeros((0, vocab_size), device=device))
-        out, num = random_accept(drafts, cu, torch.cat([p for _, p in sampled]), q,
-                                 [r.seed for r in reqs], [len(r.tokens) for r in reqs])
+        args = (torch.cat([p for _, p in sampled]), q, [r.seed for r in reqs],
+                [len(r.tokens) for r in reqs])
+        paths = None
+        if any(r.is_tree for r in reqs):  # lookup branches beside the head's chain
+            parents = int_tensor([p for r in reqs for p in r.parents], "cpu")
+            out, num, path = random_tree_accept_ref(drafts, parents, cu, *args)
+            paths = [path[i, :num[i] - 1].tolist() for i in range(len(reqs))]
+        else:
+            out, num = random_accept(drafts, cu, *args)
         for i, req in enumerate(reqs):
             tokens = out[i, :num[i]].tolist()
-            verdicts[req.id] = Verdict(tokens, list(range(len(tokens) - 1)))  # chains
+            verdicts[req.id] = Verdict(tokens, paths[i] if paths else list(range(len(tokens) - 1)))
     return verdicts
 
 

@@ -22,6 +22,10 @@ class DraftWorkspace:
         self._shape, self._dtype, self._device = (num_slots, vocab_size), dtype, device
 
     @property
+    def vocab_size(self) -> int:
+        return self._shape[1]
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

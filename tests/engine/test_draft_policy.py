@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from scipy.stats import chi2
 
 from eagle_serve.drafting import PROBE_EVERY, DraftPolicy, best_chain
+from eagle_serve.lookup import CONTEXT
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.testing import make_random_head, make_tiny_llama, tiny_engine
@@ -147,8 +149,8 @@ def test_adaptive_greedy_requests_with_preemption_stay_exact(tiny_target, eagle3
     assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts[:4]]
 
 
-def sampled(seed, **kw):
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, top_k=50, seed=seed,
+def sampled(seed, temperature=0.9, **kw):
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, top_p=0.95, top_k=50, seed=seed,
                           num_speculative_tokens=3, **kw)
 
 
@@ -156,16 +158,22 @@ ADAPTIVE = dict(draft_call_cost=0.1, draft_step_cost=0.16, sampled_draft_depth=3
                 sampled_draft_min_prob=0.13)
 
 
+@pytest.mark.parametrize("lookup_tokens", [0, 4])
 def test_adaptive_seeded_sampling_repeats_alone_batched_and_preempted(tiny_target, eagle3_head,
-                                                                      prompts):
-    params = [sampled(seed=300 + i) for i in range(6)]
-    alone = [tiny_engine(tiny_target, eagle3_head, **ADAPTIVE).generate([p], [sp])[0].token_ids
+                                                                      prompts, lookup_tokens):
+    # Prompts that repeat themselves, and a low temperature, so that context lookups fire.
+    params = [sampled(seed=300 + i, temperature=0.05 if lookup_tokens else 0.9) for i in range(6)]
+    prompts = [p[:6] * 3 for p in prompts[:6]]
+    config = dict(ADAPTIVE, sampled_lookup_tokens=lookup_tokens)
+    alone = [tiny_engine(tiny_target, eagle3_head, **config).generate([p], [sp])[0].token_ids
              for p, sp in zip(prompts, params)]
-    batched = tiny_engine(tiny_target, eagle3_head, **ADAPTIVE).generate(prompts[:6], params)
+    together = tiny_engine(tiny_target, eagle3_head, **config)
+    batched = together.generate(prompts, params)
     assert [r.token_ids for r in batched] == alone
+    assert (together.stats.draft_tokens_by_source[CONTEXT] > 0) == (lookup_tokens > 0)
     tight = tiny_engine(tiny_target, eagle3_head, page_size=8, num_target_pages=12,
-                        num_drafter_pages=12, **ADAPTIVE)
-    preempted = tight.generate(prompts[:6], params)
+                        num_drafter_pages=12, **config)
+    preempted = tight.generate(prompts, params)
     assert tight.stats.preemptions > 0
     assert [r.token_ids for r in preempted] == alone
 
@@ -212,6 +220,32 @@ def test_sampled_chains_sized_by_acceptance_and_cut_by_confidence_follow_the_tar
     assert {n for call in calls for n in call} == {1, 2}   # acceptance sized the chains
     assert 0 < s.draft_tokens < asked                      # q's top probability cut some
     assert s.accepted_tokens > 0.2 * s.draft_tokens > 0    # acceptance and rejection both ran
+    counts = torch.zeros(6 ** 4)
+    for r in results:
+        counts[sum(t * 6 ** (3 - j) for j, t in enumerate(r.token_ids))] += 1
+    law = exact_law(target_dir, prompt, temperature, top_k, 4)
+    support = law > 0
+    assert int(counts[~support].sum()) == 0
+    expected = law[support] * n
+    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    assert chi2.sf(stat, int(support.sum()) - 1) > 1e-6
+
+
+def test_sampled_chains_with_lookup_branches_follow_the_target_distribution(tmp_path):
+    """As above, with context lookups beside the head's chain (a prompt that repeats itself, so
+    they fire): a tree whose lookup nodes are one-hot proposals, verified by recursive rejection
+    sampling. The first four tokens of n seeded requests against the target's exact law."""
+    target_dir = make_tiny_llama(tmp_path / "t6", vocab_size=6, seed=3)
+    head_dir = make_random_head(tmp_path / "h6", target_dir, 1, seed=4)
+    temperature, top_k, n, prompt = 3.0, 3, 4000, [5, 0, 4, 5, 0, 4, 5, 0]
+    engine = tiny_engine(target_dir, head_dir, max_running=64, max_waiting=n, num_draft_slots=1024,
+                         sampled_draft_depth=2, sampled_lookup_tokens=3)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, seed=i,
+                             num_speculative_tokens=2) for i in range(n)]
+    results = engine.generate([prompt] * n, params)
+    s = engine.stats
+    assert s.accepted_tokens_by_source[CONTEXT] > 0.1 * s.draft_tokens_by_source[CONTEXT] > 0
+    assert s.accepted_tokens_by_source["eagle"] > 0 and s.kv_moves > 0  # off the first path too
     counts = torch.zeros(6 ** 4)
     for r in results:
         counts[sum(t * 6 ** (3 - j) for j, t in enumerate(r.token_ids))] += 1

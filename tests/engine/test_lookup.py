@@ -153,13 +153,15 @@ def test_a_request_whose_lookups_propose_nothing_drafts_exactly_the_heads_tree(
     assert replace(looked.stats, queue_times=None) == replace(plain.stats, queue_times=None)
 
 
-def test_sampled_requests_and_requests_that_switch_lookups_off_draft_from_the_head_alone(
+def test_requests_that_switch_lookups_off_draft_from_the_head_alone_and_sampled_ones_look_up_too(
         tiny_target, eagle3_head, looping_prompts, hf_greedy):
-    engine = tiny_engine(tiny_target, eagle3_head, lookup_tokens=6)
+    engine = tiny_engine(tiny_target, eagle3_head, lookup_tokens=6, sampled_lookup_tokens=2)
     engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS, context_lookup=False))
-    engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1))
+    engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1,
+                                                        context_lookup=False))
     assert engine.stats.draft_tokens_by_source[CONTEXT] == 0
-    engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS))
+    # A low temperature, so that the random model's sampled output loops as its greedy one does.
+    engine.generate(looping_prompts[:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.05, seed=1))
     assert engine.stats.draft_tokens_by_source[CONTEXT] > 0
 
 

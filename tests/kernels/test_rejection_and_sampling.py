@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from scipy.stats import chi2
 
-from kernels.rejection import greedy_accept_ref, greedy_tree_accept, random_accept_ref
+from kernels.rejection import (greedy_accept_ref, greedy_tree_accept, random_accept_ref,
+                               random_tree_accept_ref)
 from kernels.sampling import DRAFT, compute_probs_ref, keyed_uniform, sample_ref
 
 ALPHA = 1e-6
@@ -115,3 +116,56 @@ def test_random_acceptance_is_exactly_repeatable_for_a_seed():
     first = random_accept_ref(drafts, torch.tensor([0, 3]), p, q, [5], [10])
     again = random_accept_ref(drafts, torch.tensor([0, 3]), p, q, [5], [10])
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_tree_rejection_sampling_of_a_chain_is_chain_rejection_sampling():
+    torch.manual_seed(2)
+    for trial in range(200):
+        k, vocab = trial % 4, 7
+        p = torch.softmax(torch.randn(k + 1, vocab) * 2, dim=1)
+        q = torch.softmax(torch.randn(k, vocab) * 2, dim=1)
+        drafts = sample_ref(q, [trial] * k, list(range(5, 5 + k)), DRAFT) if k else torch.zeros(0, dtype=torch.int64)
+        cu, parents = torch.tensor([0, k]), torch.arange(-1, k - 1)
+        out, num = random_accept_ref(drafts, cu, p, q, [trial], [5])
+        tree_out, tree_num, path = random_tree_accept_ref(drafts, parents, cu, p, q, [trial], [5])
+        assert torch.equal(out, tree_out) and torch.equal(num, tree_num)
+        assert path[0, :num[0] - 1].tolist() == list(range(num[0] - 1))
+
+
+def test_tree_rejection_sampling_with_sampled_and_one_hot_children_reproduces_the_target():
+    """A sampled chain h1 -> h2 from the head, plus deterministic (one-hot) lookup children at
+    the root and under h1, merged where a lookup repeats the head's token: the first two emitted
+    tokens must follow p0(a) p1(b | a)."""
+    torch.manual_seed(3)
+    vocab, n = 6, 12000
+    p0 = torch.softmax(torch.randn(vocab) * 1.5, dim=0)
+    p1 = torch.softmax(torch.randn(vocab, vocab) * 1.5, dim=1)  # target's next token after a
+    q0 = torch.softmax(torch.randn(vocab) * 1.5, dim=0)
+    q1 = torch.softmax(torch.randn(vocab, vocab) * 1.5, dim=1)
+    one_hot = lambda x: torch.nn.functional.one_hot(torch.tensor(x), vocab).float()  # noqa: E731
+    counts = torch.zeros(vocab * vocab)
+    for trial in range(n):
+        seed = 1_000_003 * trial + 29
+        h1 = int(sample_ref(q0[None], [seed], [0], DRAFT)[0])
+        h2 = int(sample_ref(q1[h1][None], [seed], [1], DRAFT)[0])
+        drafts, parents, q = [h1, h2], [-1, 0], [q0, q1[h1]]
+        if h1 != 2:  # the root's lookup proposes 2, then 4 under it
+            drafts += [2, 4]
+            parents += [-1, 2]
+            q += [one_hot(2), one_hot(4)]
+        if h2 != (h1 + 1) % vocab:  # a lookup under h1
+            drafts.append((h1 + 1) % vocab)
+            parents.append(0)
+            q.append(one_hot((h1 + 1) % vocab))
+        target = torch.stack([p0] + [p1[d] for d in drafts])  # each node's next-token law
+        out, num, path = random_tree_accept_ref(torch.tensor(drafts), torch.tensor(parents),
+                                                torch.tensor([0, len(drafts)]), target,
+                                                torch.stack(q), [seed], [0])
+        first = int(out[0, 0])
+        if num[0] >= 2:
+            second = int(out[0, 1])
+        else:  # nothing accepted: the second token is sampled from p1 in the next round
+            second = int(sample_ref(p1[first][None], [seed + 1], [1], DRAFT)[0])
+        counts[first * vocab + second] += 1
+    joint = (p0.unsqueeze(1) * p1).flatten()
+    assert chi2_pvalue(counts, joint) > ALPHA
