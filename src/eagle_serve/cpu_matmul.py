@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN lays packed weights out for. fp32 packed for 1 row (or dense) runs 2+ rows
 # on a slow kernel (on an AVX2 CPU the linears of 2 rows cost 1.6x one's); packed for 8, 2 rows
 # cost 1.03x and 16 rows 2.2x. bf16 keeps the layout its row-invariance was tested with.

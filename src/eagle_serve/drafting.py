@@ -108,7 +108,8 @@ class DraftPolicy:
                 ) -> list[Proposal]:
         """The request's lookup branches this round: continuations of its tokens, and of its
         tokens + the head's most likely path (so a confident head's path goes deeper), each
-        source at most lookup_tokens long (sampled requests: sampled_lookup_tokens), every branch at most `left` deep (longest first)."""
+        source at most lookup_tokens long (sampled requests: sampled_lookup_tokens), every
+        branch at most `left` deep (longest first)."""
         cfg = self.config
         depth = min(left, cfg.max_speculative_tokens)
         if not req.lookup_budget or depth <= 0 or not self._lookups_allowed(req, batch_size):
@@ -139,8 +140,14 @@ class DraftPolicy:
         """Greedy requests: while trees are; sampled ones: while they may draft at all."""
         if req.greedy:
             return self._trees_allowed(batch_size)
-        limit = self.config.max_sampled_draft_batch
-        return limit == 0 or _load(req, batch_size) <= limit
+        return not self._over_draft_batch(req, batch_size)
+
+    def _over_draft_batch(self, req: Request, batch_size: int) -> bool:
+        """More requests run than the request may draft beside (max_draft_batch; sampled ones
+        max_sampled_draft_batch; 0 = no limit), its load being `_load`'s."""
+        cfg = self.config
+        limit = cfg.max_draft_batch if req.greedy else cfg.max_sampled_draft_batch
+        return bool(limit) and _load(req, batch_size) > limit
 
     def round_shape(self, req: Request, left: int, batch_size: int) -> RoundShape:
         """`left` = tokens the request may still add after the next one. A tree of depth D
@@ -165,8 +172,7 @@ class DraftPolicy:
         (sampled requests: max_sampled_draft_batch), and a request's load is `_load`'s."""
         cfg = self.config
         load = _load(req, batch_size)
-        limit = cfg.max_draft_batch if req.greedy else cfg.max_sampled_draft_batch
-        if limit and load > limit:
+        if self._over_draft_batch(req, batch_size):
             return 0
         fixed = req.params.draft_depth is not None
         if depth == 0 or fixed or not (cfg.draft_call_cost or cfg.draft_step_cost):

@@ -199,6 +199,22 @@ def exact_law(target_dir, prompt: list[int], temperature: float, top_k: int, len
     return law
 
 
+def assert_follows_exact_law(results, target_dir, prompt: list[int], temperature: float,
+                             top_k: int) -> None:
+    """The 4 tokens of each result (6-token vocabulary) against the target's exact joint law:
+    nothing outside its support, and a chi-square p-value above 1e-6."""
+    n = len(results)
+    counts = torch.zeros(6 ** 4)
+    for r in results:
+        counts[sum(t * 6 ** (3 - j) for j, t in enumerate(r.token_ids))] += 1
+    law = exact_law(target_dir, prompt, temperature, top_k, 4)
+    support = law > 0
+    assert int(counts[~support].sum()) == 0
+    expected = law[support] * n
+    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    assert chi2.sf(stat, int(support.sum()) - 1) > 1e-6
+
+
 def test_sampled_chains_sized_by_acceptance_and_cut_by_confidence_follow_the_target_distribution(
         tmp_path):
     """A 6-token vocabulary so that draft and target overlap: the first four tokens of n
@@ -220,15 +236,7 @@ def test_sampled_chains_sized_by_acceptance_and_cut_by_confidence_follow_the_tar
     assert {n for call in calls for n in call} == {1, 2}   # acceptance sized the chains
     assert 0 < s.draft_tokens < asked                      # q's top probability cut some
     assert s.accepted_tokens > 0.2 * s.draft_tokens > 0    # acceptance and rejection both ran
-    counts = torch.zeros(6 ** 4)
-    for r in results:
-        counts[sum(t * 6 ** (3 - j) for j, t in enumerate(r.token_ids))] += 1
-    law = exact_law(target_dir, prompt, temperature, top_k, 4)
-    support = law > 0
-    assert int(counts[~support].sum()) == 0
-    expected = law[support] * n
-    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
-    assert chi2.sf(stat, int(support.sum()) - 1) > 1e-6
+    assert_follows_exact_law(results, target_dir, prompt, temperature, top_k)
 
 
 def test_sampled_chains_with_lookup_branches_follow_the_target_distribution(tmp_path):
@@ -246,12 +254,4 @@ def test_sampled_chains_with_lookup_branches_follow_the_target_distribution(tmp_
     s = engine.stats
     assert s.accepted_tokens_by_source[CONTEXT] > 0.1 * s.draft_tokens_by_source[CONTEXT] > 0
     assert s.accepted_tokens_by_source["eagle"] > 0 and s.kv_moves > 0  # off the first path too
-    counts = torch.zeros(6 ** 4)
-    for r in results:
-        counts[sum(t * 6 ** (3 - j) for j, t in enumerate(r.token_ids))] += 1
-    law = exact_law(target_dir, prompt, temperature, top_k, 4)
-    support = law > 0
-    assert int(counts[~support].sum()) == 0
-    expected = law[support] * n
-    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
-    assert chi2.sf(stat, int(support.sum()) - 1) > 1e-6
+    assert_follows_exact_law(results, target_dir, prompt, temperature, top_k)
