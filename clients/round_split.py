@@ -4,7 +4,7 @@
         --configs 0 1 2 6x3x3
 
 For each config (as in speedup_curve.py: `K` or `KxTOPKxDEPTH`) the prompts are sent one at a
-time (bs 1, greedy); the deltas of `nv_inference_*_duration_us` of `eagle_target` and
+time (bs 1, greedy, or sampled with --temperature and a seed per prompt); the deltas of `nv_inference_*_duration_us` of `eagle_target` and
 `eagle_drafter` give each model's time per call (request = as Triton saw it; infer = its
 execute()), next to the client's time per round. What is left of a round after the two calls
 is spec_decode's own work and the BLS hops. Configs run one after another, so slow drift of
@@ -38,14 +38,18 @@ def main(argv=None) -> None:
     p.add_argument("--configs", nargs="+", default=["0", "1", "2"])
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--metrics-url", default="localhost:8002")
+    p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
+    sampling = ({"temperature": args.temperature} if args.temperature > 0 else {})
     prompts = read_prompts(args.prompts)[:args.num_prompts]
     for c in args.configs:  # warm-up, untimed
         grpc_generate(args.url, prompts[0], max_tokens=8, **parse_config(c))
     for c in args.configs:
         before, tokens, seconds, rounds, accepted = model_metrics(args.metrics_url), 0, 0.0, 0, 0
-        for prompt in prompts:
-            gen = grpc_generate(args.url, prompt, max_tokens=args.max_tokens, **parse_config(c))
+        for i, prompt in enumerate(prompts):
+            seed = {"seed": i} if sampling else {}
+            gen = grpc_generate(args.url, prompt, max_tokens=args.max_tokens, **sampling, **seed,
+                                **parse_config(c))
             tokens, seconds = tokens + len(gen.output_ids), seconds + gen.latency_s
             rounds += gen.counters.get("num_rounds", 0)
             accepted += gen.counters.get("num_accepted_tokens", 0)

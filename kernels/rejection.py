@@ -27,7 +27,7 @@ import triton.language as tl
 
 from kernels import use_kernel
 from kernels.sampling import (ACCEPT, RESIDUAL, SAMPLE, _race_block, _uniform, key_seed,
-                              keyed_uniform, vocab_row_tile)
+                              keyed_exponentials, keyed_uniform, vocab_row_tile)
 
 
 def greedy_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
@@ -200,8 +200,7 @@ def random_tree_accept_ref(draft_ids: torch.Tensor, parents: torch.Tensor,
 
 
 def _race(p: torch.Tensor, seed: int, position: int, purpose: int) -> int:
-    u = keyed_uniform(seed, position, purpose, p.shape[0], device=p.device)
-    return int(torch.argmax(p / -torch.log(u)))
+    return int(torch.argmax(p / keyed_exponentials(seed, position, purpose, p.shape[0], p.device)))
 
 
 def greedy_accept(draft_ids, cu_num_drafts, target_argmax, impl: str | None = None):

@@ -23,6 +23,8 @@ token(s).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,14 @@ def keyed_uniform(seed: int, position: int, purpose: int, n: int, device="cpu") 
     gen = torch.Generator(device=device).manual_seed(key_seed(seed, position, purpose))
     u = torch.rand(n, generator=gen, dtype=torch.float64, device=device)
     return u.clamp_(min=torch.finfo(torch.float64).tiny)
+
+
+@functools.lru_cache(maxsize=64)
+def keyed_exponentials(seed: int, position: int, purpose: int, n: int, device="cpu") -> torch.Tensor:
+    """[n] float64 Exp(1) draws, -log of keyed_uniform: the noise of a race (read-only). Cached:
+    coupled speculation reads a position's SAMPLE noise when drafting it, when verifying it, and
+    again when a rejected position is drafted the next round (49k draws cost ~0.5 ms)."""
+    return -torch.log(keyed_uniform(seed, position, purpose, n, device))
 
 
 def key_seeds(seeds: list[int], positions: list[int], purpose: int, device) -> torch.Tensor:
@@ -92,9 +102,26 @@ def sample_ref(probs: torch.Tensor, seeds: list[int], positions: list[int],
     assert probs.ndim == 2 and len(seeds) == len(positions) == probs.shape[0]
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     for r, (seed, pos) in enumerate(zip(seeds, positions)):
-        u = keyed_uniform(seed, pos, purpose, probs.shape[1], device=probs.device)
-        out[r] = torch.argmax(probs[r].double() / -torch.log(u))
+        out[r] = torch.argmax(probs[r].double() / keyed_exponentials(seed, pos, purpose, probs.shape[1],
+                                                                     probs.device))
     return out
+
+
+def coupled_scores(q: torch.Tensor, target_ids: torch.Tensor, vocab_size: int, seeds: list[int],
+                   positions: list[int]) -> torch.Tensor:
+    """Coupled drafting: the scores under which a draft distribution q runs the target's own
+    sampling race at each row's position (key (seed, position, SAMPLE), as sample_ref draws).
+    argmax is the token the race picks when q takes the target's place, so it is the token
+    the target samples there as often as q resembles the target's distribution; a draft tree
+    takes the top scores. The target's sample does not depend on q: whatever is drafted, the
+    output is the target's own seeded sample.
+
+    q: [R, V_draft] (rows sum to 1); target_ids: [V_draft] the target id of each draft id;
+    vocab_size: the target's V -> [R, V_draft] float64 log q - log E (-inf where q is 0)
+    """
+    log_noise = {key: keyed_exponentials(*key, SAMPLE, vocab_size, q.device)[target_ids].log()
+                 for key in set(zip(seeds, positions))}  # a tree level's rows share a key
+    return q.double().log() - torch.stack([log_noise[key] for key in zip(seeds, positions)])
 
 
 def compute_probs(logits, temperature, top_k, top_p, impl: str | None = None):

@@ -53,6 +53,8 @@ def test_settings_parse_numbers_and_refuse_bad_ones_by_name():
         ServingSettings.from_parameters({"draft_min_prob": "often"})
     with pytest.raises(ValueError, match="draft_expand_prob must be in"):
         ServingSettings.from_parameters({"draft_expand_prob": "1.5"})
+    with pytest.raises(ValueError, match="sampled_verify must be one of"):
+        ServingSettings.from_parameters({"sampled_verify": "maybe"})
 
 
 def test_every_ensemble_input_reaches_preprocess_and_spec_decode_with_the_same_type():

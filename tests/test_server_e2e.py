@@ -215,3 +215,23 @@ def test_tree_requests_through_the_server_equal_plain_greedy(triton_server, tiny
         return (m['eagle_kv_pages_free{pool="target"}'] == 256 and m["eagle_requests_running"] == 0
                 and m['eagle_kv_pages_free{pool="drafter"}'] == 256 and m["eagle_draft_slots_free"] == 256)
     assert wait_for(idle)
+
+
+def test_a_coupled_server_gives_seeded_sampled_requests_plain_samplings_tokens(triton_server,
+                                                                              tiny_models):
+    """sampled_verify=coupled: seeded requests drafting chains and trees, alone and batched,
+    give the tokens the same request gets with k = 0 (the drafter is told which rows are
+    coupled over BLS, and sends no probabilities for them)."""
+    server = tiny_server(triton_server, tiny_models, "eagle3", "tiny64-coupled",
+                         sampled_verify="coupled")
+    shapes = [dict(num_speculative_tokens=3), dict(num_speculative_tokens=4, draft_topk=2, draft_depth=2)]
+    jobs = [(PROMPTS[i], dict(max_tokens=14, temperature=0.9, top_p=0.95, seed=40 + i,
+                              ignore_eos=True, stream=True)) for i in range(4)]
+    plain = [grpc_generate(server.grpc_url, p, num_speculative_tokens=0, **kw) for p, kw in jobs]
+    assert all(g.error is None for g in plain)
+    with futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda j: grpc_generate(server.grpc_url, j[1][0], **j[1][1],
+                                                         **shapes[j[0] % 2]), enumerate(jobs)))
+    for p, got in zip(plain, together):
+        assert got.error is None and got.output_ids == p.output_ids
+        assert got.counters["num_draft_tokens"] > 0

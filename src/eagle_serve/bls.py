@@ -32,7 +32,7 @@ SHAPE_INPUTS = {"num_drafts": "num_drafts", "draft_topk": "topk", "draft_depth":
                 "draft_min_prob": "min_prob", "draft_expand_prob": "expand_prob"}  # input -> field
 # Optional inputs, sent only when present (a batch with a draft tree; KV moves; banned tokens):
 # tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64; ban_rows [M] /
-# ban_token_ids [E] INT64.
+# ban_token_ids [E] INT64; draft_coupled [B] INT8 (DraftShapes.coupled).
 BAN_INPUTS = ("ban_rows", "ban_token_ids")
 
 
@@ -71,8 +71,10 @@ def batch_from_request(pb, request, device) -> tuple[RaggedBatch, RowSampling]:
 
 
 def shapes_from_request(pb, request, device) -> DraftShapes:
+    coupled = input_tensor(pb, request, "draft_coupled", optional=True)
     return DraftShapes(**{field: input_tensor(pb, request, name).to(device)
-                          for name, field in SHAPE_INPUTS.items()})
+                          for name, field in SHAPE_INPUTS.items()},
+                       coupled=None if coupled is None else coupled.to(device).bool())
 
 
 def ban_from_request(pb, request, device) -> TokenBan | None:
@@ -157,11 +159,14 @@ class BlsDrafter(_BlsModel):
 
     def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
                 sampling: RowSampling) -> DraftOutput:
-        wants_probs = bool((sampling.sampled & (shapes.num_drafts > 0)).any())
+        coupled = shapes.coupled if shapes.coupled is not None else torch.zeros_like(sampling.sampled)
+        wants_probs = bool((sampling.sampled & ~coupled & (shapes.num_drafts > 0)).any())
         trees = bool((shapes.topk > 1).any())
         outputs = ["tokens"] + (["probs"] if wants_probs else []) + (["parents"] if trees else [])
         inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "features", features)]
         inputs += [to_pb(self.pb, name, getattr(shapes, field)) for name, field in SHAPE_INPUTS.items()]
+        if bool(coupled.any()):
+            inputs.append(to_pb(self.pb, "draft_coupled", coupled.to(torch.int8)))
         r = self.call(inputs, outputs)
         no_drafts = torch.zeros((shapes.num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)
         probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))

@@ -8,7 +8,9 @@ and how draft ids map to target ids.
 
 Drafts are sampled here: greedy requests take the argmax, sampled ones draw from q (their own
 temperature/top-k/top-p) with a key (seed, position, DRAFT), and q goes back to the engine
-for lossless verification.
+for lossless verification. Coupled sampled rows (DraftShapes.coupled) instead draft as greedy
+rows do over `coupled_scores`: q run through the target's own sampling race at each position,
+so their drafts are guesses at the target's seeded sample (trees included) and carry no q.
 
 What each request drafts comes with the call (`DraftShapes`, decided by the engine's draft
 policy): a chain or a tree, and confidence limits on greedy drafts: a draft whose cumulative
@@ -32,7 +34,7 @@ from torch import nn
 from eagle_serve.heads import EagleHead
 from eagle_serve.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling, ancestor_mask
 from eagle_serve.paged import PagedKVCache
-from kernels.sampling import DRAFT, compute_probs, sample
+from kernels.sampling import DRAFT, compute_probs, coupled_scores, sample
 
 
 def log_limit(prob: torch.Tensor) -> torch.Tensor:
@@ -89,9 +91,15 @@ class Drafter:
         last = out[batch.cu_seqlens[1:] - 1]  # [B, H]
         num_drafts, topk, depth = shapes.num_drafts, shapes.topk, shapes.depth
         limits = log_limit(shapes.min_prob), log_limit(shapes.expand_prob)  # [B] each
-        is_tree = (topk > 1) & ~sampling.sampled  # [B]; sampled rows: chains
+        coupled = torch.zeros_like(topk, dtype=torch.bool) if shapes.coupled is None else shapes.coupled
+        couple = _Coupling(self, sampling, coupled)
+        drafting = couple.drafting  # coupled rows draft as greedy ones
+        if bool(((topk > 1) & drafting.sampled).any()):  # a tree needs one guess per node
+            raise ValueError("rejection-sampled rows draft chains (draft_topk 1); trees need "
+                             "argmax or coupled drafting")
+        is_tree = topk > 1  # [B]
         tokens, probs = self._draft_chains(batch, last, torch.where(is_tree, 0, num_drafts),
-                                           sampling, *limits)
+                                           drafting, *limits, couple)
         ks = num_drafts.tolist()
         width = max(ks, default=0)
         cols = torch.arange(width, device=self.device)
@@ -102,7 +110,8 @@ class Drafter:
         if tree_rows:
             scores = torch.zeros((len(ks), width), dtype=torch.float64, device=self.device)
             trees = self._draft_trees(batch, last, tree_rows, ks, topk.tolist(), depth.tolist(),
-                                      [(limits[0][b].item(), limits[1][b].item()) for b in tree_rows])
+                                      [(limits[0][b].item(), limits[1][b].item()) for b in tree_rows],
+                                      couple)
             for b, tree in zip(tree_rows, trees):
                 n = len(tree.tokens)
                 tokens[b], parents[b] = -1, -1
@@ -113,7 +122,7 @@ class Drafter:
 
     def _draft_chains(self, batch: RaggedBatch, last: torch.Tensor, num_drafts: torch.Tensor,
                       sampling: RowSampling, min_logp: torch.Tensor,
-                      expand_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      expand_logp: torch.Tensor, couple: "_Coupling") -> tuple[torch.Tensor, torch.Tensor]:
         """k_b drafts per request, each fed back with the drafter's own feature.
         last: [B, H] catch-up outputs; min_logp, expand_logp: [B] log limits (sampled rows: min_logp only)
         -> tokens [B, max_k] (-1 padded), q [N_sampled, V]"""
@@ -136,7 +145,7 @@ class Drafter:
                 emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
                 last = last.clone()
                 last[active] = self.head.step(emb, last[active], False, step, self.cache)
-            logits = self.logits(last[active])  # [A, V_draft]
+            logits = couple(self.logits(last[active]), active, seq_lens[active] + j + 1)  # [A, V_draft]
             drafted, q = self._sample(logits, sampling.select(active), (seq_lens[active] + j + 1).tolist())
             tokens[active, j] = drafted
             if prune:  # path probability: greedy rows their argmax's, sampled rows their q's top
@@ -158,7 +167,7 @@ class Drafter:
 
     def _draft_trees(self, batch: RaggedBatch, last: torch.Tensor, rows: list[int],
                      num_nodes: list[int], topk: list[int], depth: list[int],
-                     limits: list[tuple[float, float]]) -> list["_Tree"]:
+                     limits: list[tuple[float, float]], couple: "_Coupling") -> list["_Tree"]:
         """EAGLE-2 dynamic trees (greedy requests): the root's top-k children are the depth-1
         candidates; each further level expands the top-k candidates of the previous depth by
         cumulative log-probability, in one drafter forward for every tree of the batch; then
@@ -166,7 +175,7 @@ class Drafter:
         expand) log limits per tree."""
         trees = [_Tree(int(batch.seq_lens[b]), topk[b], depth[b], num_nodes[b], lim[0])
                  for b, lim in zip(rows, limits)]
-        self._add_children(trees, [-1] * len(trees), last[rows])
+        self._add_children(trees, [-1] * len(trees), last[rows], couple, rows)
         for level in range(1, max(t.depth for t in trees)):
             active = [i for i, t in enumerate(trees)
                       if t.depth > level and t.best_score(level) >= max(limits[i])]
@@ -183,12 +192,18 @@ class Drafter:
             for i, c, feature in picked:
                 trees[i].outputs[c] = feature
             self._add_children([trees[i] for i, _, _ in picked], [c for _, c, _ in picked],
-                               torch.stack([f for _, _, f in picked]))
+                               torch.stack([f for _, _, f in picked]), couple,
+                               [rows[i] for i, _, _ in picked])
         return [t.select() for t in trees]
 
-    def _add_children(self, trees: list["_Tree"], nodes: list[int], features: torch.Tensor) -> None:
-        """The top-k children of each (tree, node) from its output feature [R, H]."""
-        logp = torch.log_softmax(self.logits(features).double(), dim=-1)  # [R, V_draft]
+    def _add_children(self, trees: list["_Tree"], nodes: list[int], features: torch.Tensor,
+                      couple: "_Coupling", rows: list[int]) -> None:
+        """The top-k children of each (tree, node) from its output feature [R, H]; rows: the
+        batch row of each tree. A node's children draft the target position end + 1 + its depth."""
+        positions = [t.end + 1 + (t.depths[c] if c >= 0 else 0) for t, c in zip(trees, nodes)]
+        ints = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        logits = couple(self.logits(features), ints(rows), ints(positions))
+        logp = torch.log_softmax(logits.double(), dim=-1)  # [R, V_draft]
         values, ids = logp.topk(max(t.topk for t in trees), dim=-1)
         target_ids = self.to_target_ids(ids)
         for r, (tree, node) in enumerate(zip(trees, nodes)):
@@ -219,7 +234,8 @@ class Drafter:
 
     def _sample(self, logits: torch.Tensor, s: RowSampling, positions: list[int]):
         """-> target ids [R], target-vocabulary q [R, V] (None if all greedy)"""
-        draft_ids = logits.float().argmax(dim=-1)  # bf16 argmax is slow on CPU
+        # bf16 argmax is slow on CPU; coupled rows' float64 scores keep their precision
+        draft_ids = (logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1)
         if not bool(s.sampled.any()):
             return self.to_target_ids(draft_ids), None
         rows = s.sampled.nonzero().squeeze(1)
@@ -240,6 +256,32 @@ class Drafter:
                            cu_seqlens=torch.arange(n + 1, device=self.device),
                            seq_lens=positions + 1, block_tables=tables,
                            slot_mapping=pages * self.page_size + positions % self.page_size)
+
+
+class _Coupling:
+    """Coupled drafting of some sampled rows (DraftShapes.coupled): their logits are replaced by
+    coupled_scores, so they draft as greedy rows do (argmax, trees, confidence limits) and
+    carry no q; verification matches the drafts against the target's keyed samples."""
+
+    def __init__(self, drafter: "Drafter", sampling: RowSampling, coupled: torch.Tensor):
+        self.drafter, self.sampling, self.coupled = drafter, sampling, coupled  # coupled: [B] bool
+        zero = torch.zeros_like(sampling.temperature)
+        self.drafting = RowSampling(torch.where(coupled, zero, sampling.temperature),
+                                    sampling.top_k, sampling.top_p, sampling.seeds)
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """logits: [A, V_draft] of batch rows `rows` [A], drafting target positions [A] -> the
+        same, coupled rows' replaced (float64 if any row is coupled)"""
+        pick = self.coupled[rows].nonzero().squeeze(1)
+        if pick.numel() == 0:
+            return logits
+        s = self.sampling.select(rows[pick])
+        q = compute_probs(logits[pick], s.temperature, s.top_k, s.top_p)  # [P, V_draft]
+        target_ids = self.drafter.to_target_ids(torch.arange(q.shape[1], device=q.device))
+        out = logits.double()
+        out[pick] = coupled_scores(q, target_ids, self.drafter.vocab_size, s.seeds.tolist(),
+                                   positions[pick].tolist())
+        return out
 
 
 class _Tree:

@@ -78,15 +78,16 @@ class DraftPolicy:
         k = params.num_speculative_tokens
         return self.config.num_speculative_tokens if k is None else k
 
-    def request_shape(self, params: SamplingParams, k: int) -> tuple[int, int]:
+    def request_shape(self, params: SamplingParams, k: int, coupled: bool = False) -> tuple[int, int]:
         """-> (topk, depth) of a request's drafts: depth <= k; sampled requests draft chains of
         sampled_draft_depth from the head (a head tree would need several draws per node;
         deeper chains of a weak head cost more drafter steps than they win), beside their
-        lookup branches."""
+        lookup branches; a coupled one that sets draft_topk drafts that tree (its drafts are
+        guesses at one token, as a greedy request's are)."""
         cfg = self.config
         if k == 0:
             return 1, 0
-        if params.temperature > 0:
+        if params.temperature > 0 and not (coupled and params.draft_topk is not None):
             return 1, min(params.draft_depth or cfg.sampled_draft_depth, k)
         topk = cfg.draft_topk if params.draft_topk is None else params.draft_topk
         depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
@@ -190,9 +191,10 @@ class DraftPolicy:
 
 
 def _load(req: Request, batch_size: int) -> int:
-    """The batch size a request's policy sees: a seeded sampled request is costed as if alone,
-    so that its output depends on its own history only, not on other traffic."""
-    return 1 if not req.greedy and req.params.seed is not None else batch_size
+    """The batch size a request's policy sees: a seeded rejection-sampled request is costed as
+    if alone, so that its output depends on its own history only, not on other traffic (a
+    coupled one's output does not depend on its drafts at all)."""
+    return 1 if not req.matched and req.params.seed is not None else batch_size
 
 
 def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftPolicy,
@@ -227,7 +229,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
             drafts = drafts[:drafts.index(-1)] if -1 in drafts else drafts  # fewer nodes
             parents = (out.parents[row, :len(drafts)].tolist() if out.parents is not None
                        else list(range(-1, len(drafts) - 1)))
-            if not req.greedy:
+            if not req.matched:
                 q = out.probs[prob_row:prob_row + len(drafts)]
                 prob_row += len(drafts)
             row += 1
@@ -240,7 +242,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         slots = workspace.alloc(len(drafts))
         if slots is None:  # no free slots: this round verifies no drafts
             continue
-        if not req.greedy and drafts:
+        if not req.matched and drafts:
             workspace.store(slots, _with_lookups(q, drafts[num_head:], workspace.vocab_size))
         req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
 
@@ -273,9 +275,11 @@ def _call_drafter(called: list[tuple[DraftWork, RoundShape]], drafter: DrafterRu
                         block_tables([w.req.drafter_pages for w, _ in called], device), t(slots))
     shapes = [s for _, s in called]
     prob = lambda x: torch.tensor(x, dtype=torch.float32, device=device)  # noqa: E731
+    coupled = [w.req.coupled for w, _ in called]
     wire = DraftShapes(t([s.nodes for s in shapes]), t([s.topk for s in shapes]),
                        t([s.depth for s in shapes]), prob([s.min_prob for s in shapes]),
-                       prob([s.expand_prob for s in shapes]))
+                       prob([s.expand_prob for s in shapes]),
+                       torch.tensor(coupled, device=device) if any(coupled) else None)
     return drafter.propose(batch, torch.cat([w.features for w, _ in called]), wire,
                            row_sampling([w.req.sampling_row() for w, _ in called], device))
 

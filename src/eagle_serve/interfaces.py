@@ -72,13 +72,16 @@ class TokenBan:
 class DraftShapes:
     """What each request of a drafter call drafts (the draft policy's decision), per row [B]."""
     num_drafts: torch.Tensor   # int64: nodes to propose (a chain: its length)
-    topk: torch.Tensor         # int64: children per tree node; 1 = a chain (sampled rows: chains)
+    topk: torch.Tensor         # int64: children per tree node; 1 = a chain (rejection-sampled rows: 1)
     depth: torch.Tensor        # int64: tree levels
     min_prob: torch.Tensor     # float32: greedy drafts below this path probability are dropped
     #                            (the first is always kept; sampled chains: the product of their
     #                            q's top probabilities, the first included); 0 = off
     expand_prob: torch.Tensor  # float32: draft a deeper level only while a draft of the level
     #                            reaches this; 0 = off
+    coupled: torch.Tensor | None = None  # bool: sampled rows that draft as greedy rows do, by
+    #                            the target's own sampling race (kernels.sampling.coupled_scores)
+    #                            instead of drawing from q; None = no such row
 
     @classmethod
     def chains(cls, num_drafts: torch.Tensor) -> "DraftShapes":

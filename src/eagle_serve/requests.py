@@ -113,7 +113,8 @@ class Request:
     seed: int
     stop: StopChecker | None
     tokens: list[int]               # prompt + output
-    topk: int = 1                   # draft-tree shape (1 = chain; sampled requests: 1)
+    coupled: bool = False           # sampled, verified by coupling (settings.sampled_verify)
+    topk: int = 1                   # draft-tree shape (1 = chain; rejection-sampled requests: 1)
     depth: int = 0                  # <= k
     arrival: int = 0                # admission order
     arrived_at: float = field(default_factory=time.monotonic)
@@ -152,6 +153,12 @@ class Request:
     @property
     def greedy(self) -> bool:
         return self.params.temperature == 0
+
+    @property
+    def matched(self) -> bool:
+        """Its drafts are kept while they equal the target's own token: greedy requests (the
+        argmax) and coupled sampled ones (the target's seeded sample); they draft alike."""
+        return self.greedy or self.coupled
 
     @property
     def done(self) -> bool:

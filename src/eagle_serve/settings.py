@@ -21,9 +21,15 @@ DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
 
 
+SAMPLED_VERIFY = ("rejection", "coupled")
+
+
 def check_draft_limits(config) -> None:
-    """ValueError unless the draft policy's probability limits are in [0, 1] and its costs in
-    [0, 10] (ServingSettings and EngineConfig both carry them)."""
+    """ValueError unless the draft policy's probability limits are in [0, 1], its costs in
+    [0, 10] and sampled_verify one of SAMPLED_VERIFY (ServingSettings and EngineConfig both
+    carry them)."""
+    if config.sampled_verify not in SAMPLED_VERIFY:
+        raise ValueError(f"sampled_verify must be one of {SAMPLED_VERIFY}, got {config.sampled_verify!r}")
     for names, high in ((("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"), 1.0),
                         (("draft_call_cost", "draft_step_cost", "draft_batch_cost"), 10.0)):
         for name in names:
@@ -79,6 +85,11 @@ class ServingSettings:
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
     sampled_lookup_tokens: int = 0             # the same beside a sampled request's chain (0 = off)
+    sampled_verify: str = "rejection"          # how sampled drafts are verified: "rejection"
+    #                                            (rejection sampling of drafts drawn from q) or
+    #                                            "coupled" (drafts are the drafter's guesses at
+    #                                            the target's own seeded sample, kept while they
+    #                                            equal it: trees and lookups as greedy requests)
     lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
     #                                            corpus-index.npz if it has one; "none" = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
@@ -174,6 +185,7 @@ class EngineConfig:
     max_sampled_draft_batch: int
     lookup_tokens: int
     sampled_lookup_tokens: int
+    sampled_verify: str
     max_stop_strings: int
     max_stop_bytes: int
     request_timeout_s: float

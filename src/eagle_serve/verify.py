@@ -5,9 +5,11 @@ Rows of a request: the tokens it has not computed (a prompt, or a recompute afte
 then its drafts. Draft node i is stored at position len(tokens) + i but rotated at
 len(tokens) - 1 + depth_i, and sees only its ancestors (a chain sees every earlier draft).
 Acceptance: greedy rows take the longest root path whose tokens equal the target's argmax, then
-the target's own token (so greedy output is exactly plain greedy output); sampled rows run
-rejection sampling with the drafts' real probabilities (recursive, over a tree whose lookup
-branches have one-hot probabilities; trees run the reference sampler, a Python walk per request). The accepted path's KV entries belong
+the target's own token (so greedy output is exactly plain greedy output); coupled sampled rows
+do the same against the target's seeded sample at each row (so their output is exactly plain
+seeded sampling's); other sampled rows run rejection sampling with the drafts' real
+probabilities (recursive, over a tree whose lookup branches have one-hot probabilities; trees
+run the reference sampler, a Python walk per request). The accepted path's KV entries belong
 at contiguous positions: those moves go with the next forward (`kv_moves`), so the pages that
 hold their sources stay until then.
 """
@@ -27,6 +29,7 @@ from eagle_serve.requests import Request
 from eagle_serve.workspace import DraftWorkspace
 from kernels.rejection import (greedy_accept, greedy_tree_accept, random_accept,
                                random_tree_accept_ref)
+from kernels.sampling import SAMPLE, sample_ref
 
 
 @dataclass
@@ -168,6 +171,10 @@ def accept(result: TargetOutput, vb: VerifyBatch, workspace: DraftWorkspace, voc
             continue
         if r.req.greedy:
             greedy.append((r.req, result.argmax[row:row + r.num_logits]))
+        elif r.req.coupled:  # the drafts are matched against the target's seeded samples
+            probs = result.probs[prob_row:prob_row + r.num_logits]
+            prob_row += r.num_logits
+            greedy.append((r.req, coupled_samples(r.req, probs)))
         else:
             sampled.append((r.req, result.probs[prob_row:prob_row + r.num_logits]))
             prob_row += r.num_logits
@@ -205,6 +212,15 @@ def accept(result: TargetOutput, vb: VerifyBatch, workspace: DraftWorkspace, voc
             tokens = out[i, :num[i]].tolist()
             verdicts[req.id] = Verdict(tokens, paths[i] if paths else list(range(len(tokens) - 1)))
     return verdicts
+
+
+def coupled_samples(req: Request, probs: torch.Tensor) -> torch.Tensor:
+    """A coupled request's scored rows [1 + n, V] -> the target's seeded sample at each [1 + n]:
+    the token plain sampling draws at that row's position (key (seed, position, SAMPLE)), so
+    the output is plain seeded sampling's whatever was drafted."""
+    pos = len(req.tokens)
+    positions = [pos + d for d in [0] + tree_depths(req.parents)]
+    return sample_ref(probs, [req.seed] * len(positions), positions, SAMPLE).to(probs.device)
 
 
 def _flat_drafts(reqs: list[Request], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -178,6 +178,34 @@ def test_adaptive_seeded_sampling_repeats_alone_batched_and_preempted(tiny_targe
     assert [r.token_ids for r in preempted] == alone
 
 
+def test_coupled_sampled_requests_give_plain_seeded_sampling_tokens_whatever_they_draft(tmp_path):
+    """Coupled verification keeps a draft only while it equals the target's seeded sample, so
+    every seeded request's tokens are those of plain sampling (k = 0), token for token: with
+    head chains, with head trees and lookup branches (accepted off the first path too), batched
+    and preempted. A 6-token vocabulary and a looping prompt so that drafts are accepted."""
+    target_dir = make_tiny_llama(tmp_path / "t6", vocab_size=6, seed=3)
+    head_dir = make_random_head(tmp_path / "h6", target_dir, 1, seed=4)
+    n, prompt = 96, [5, 0, 4, 5, 0, 4, 5, 0]
+
+    def run(k: int, tree: dict = {}, **config):
+        engine = tiny_engine(target_dir, head_dir, sampled_verify="coupled", max_running=16,
+                             max_waiting=n, num_draft_slots=1024, **config)
+        params = [SamplingParams(max_tokens=12, temperature=1.5, top_k=4, seed=i,
+                                 num_speculative_tokens=k, **tree) for i in range(n)]
+        return [r.token_ids for r in engine.generate([prompt] * n, params)], engine.stats
+
+    plain, _ = run(0)
+    assert len({tuple(t) for t in plain}) > n // 2  # sampled, not one greedy answer
+    chains, s = run(3)
+    assert chains == plain and s.accepted_tokens > 0.1 * s.draft_tokens > 0
+    tree = dict(draft_topk=2, draft_depth=2)
+    trees, s = run(4, tree, sampled_lookup_tokens=3)
+    assert trees == plain and s.kv_moves > 0 and s.accepted_tokens_by_source[CONTEXT] > 0
+    tight, s = run(4, tree, sampled_lookup_tokens=3, page_size=8, num_target_pages=12,
+                   num_drafter_pages=12)
+    assert tight == plain and s.preemptions > 0
+
+
 def exact_law(target_dir, prompt: list[int], temperature: float, top_k: int, length: int
               ) -> torch.Tensor:
     """[6^length] the target's probability of each continuation of `length` tokens (6-token

@@ -6,7 +6,7 @@ from scipy.stats import chi2
 
 from kernels.rejection import (greedy_accept_ref, greedy_tree_accept, random_accept_ref,
                                random_tree_accept_ref)
-from kernels.sampling import DRAFT, compute_probs_ref, keyed_uniform, sample_ref
+from kernels.sampling import DRAFT, SAMPLE, compute_probs_ref, coupled_scores, keyed_uniform, sample_ref
 
 ALPHA = 1e-6
 
@@ -83,6 +83,24 @@ def test_exponential_race_sampling_follows_the_distribution():
     n = 20000
     draws = sample_ref(probs.expand(n, -1), [3] * n, list(range(n)), DRAFT)
     assert chi2_pvalue(torch.bincount(draws, minlength=7), probs) > ALPHA
+
+
+def test_coupled_scores_pick_the_targets_own_sample_when_q_is_the_target_distribution():
+    """With q = p the coupled draft is the target's seeded sample at every row; with q a draft
+    vocabulary's renormalized share of p, it is that sample whenever the sample falls inside the
+    draft vocabulary."""
+    torch.manual_seed(0)
+    rows, vocab = 300, 40
+    p = torch.softmax(torch.randn(rows, vocab, dtype=torch.float64) * 2, dim=-1)
+    seeds, positions = list(range(rows)), [17 + r % 5 for r in range(rows)]
+    target = sample_ref(p, seeds, positions, SAMPLE)
+    assert torch.equal(coupled_scores(p, torch.arange(vocab), vocab, seeds, positions).argmax(-1), target)
+    draft_vocab = torch.arange(0, vocab, 2)  # draft id i is target id 2i
+    q = p[:, draft_vocab] / p[:, draft_vocab].sum(-1, keepdim=True)
+    drafted = draft_vocab[coupled_scores(q, draft_vocab, vocab, seeds, positions).argmax(-1)]
+    inside = target % 2 == 0
+    assert 0 < int(inside.sum()) < rows
+    assert torch.equal(drafted[inside], target[inside])
 
 
 def test_rejection_sampling_reproduces_the_target_distribution_over_two_positions():
