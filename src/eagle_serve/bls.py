@@ -159,7 +159,7 @@ class BlsDrafter(_BlsModel):
 
     def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
                 sampling: RowSampling) -> DraftOutput:
-        coupled = shapes.coupled if shapes.coupled is not None else torch.zeros_like(sampling.sampled)
+        coupled = shapes.coupled_rows()
         wants_probs = bool((sampling.sampled & ~coupled & (shapes.num_drafts > 0)).any())
         trees = bool((shapes.topk > 1).any())
         outputs = ["tokens"] + (["probs"] if wants_probs else []) + (["parents"] if trees else [])

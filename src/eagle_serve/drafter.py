@@ -91,8 +91,7 @@ class Drafter:
         last = out[batch.cu_seqlens[1:] - 1]  # [B, H]
         num_drafts, topk, depth = shapes.num_drafts, shapes.topk, shapes.depth
         limits = log_limit(shapes.min_prob), log_limit(shapes.expand_prob)  # [B] each
-        coupled = torch.zeros_like(topk, dtype=torch.bool) if shapes.coupled is None else shapes.coupled
-        couple = _Coupling(self, sampling, coupled)
+        couple = _Coupling(self, sampling, shapes.coupled_rows())
         drafting = couple.drafting  # coupled rows draft as greedy ones
         if bool(((topk > 1) & drafting.sampled).any()):  # a tree needs one guess per node
             raise ValueError("rejection-sampled rows draft chains (draft_topk 1); trees need "
@@ -145,8 +144,9 @@ class Drafter:
                 emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
                 last = last.clone()
                 last[active] = self.head.step(emb, last[active], False, step, self.cache)
-            logits = couple(self.logits(last[active]), active, seq_lens[active] + j + 1)  # [A, V_draft]
-            drafted, q = self._sample(logits, sampling.select(active), (seq_lens[active] + j + 1).tolist())
+            positions = seq_lens[active] + j + 1  # [A] the target positions drafted
+            logits = couple(self.logits(last[active]), active, positions)  # [A, V_draft]
+            drafted, q = self._sample(logits, sampling.select(active), positions.tolist())
             tokens[active, j] = drafted
             if prune:  # path probability: greedy rows their argmax's, sampled rows their q's top
                 sampled = sampling.sampled[active]  # [A]
@@ -268,6 +268,7 @@ class _Coupling:
         zero = torch.zeros_like(sampling.temperature)
         self.drafting = RowSampling(torch.where(coupled, zero, sampling.temperature),
                                     sampling.top_k, sampling.top_p, sampling.seeds)
+        self._target_ids: torch.Tensor | None = None  # [V_draft] target id of each draft id
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """logits: [A, V_draft] of batch rows `rows` [A], drafting target positions [A] -> the
@@ -277,9 +278,10 @@ class _Coupling:
             return logits
         s = self.sampling.select(rows[pick])
         q = compute_probs(logits[pick], s.temperature, s.top_k, s.top_p)  # [P, V_draft]
-        target_ids = self.drafter.to_target_ids(torch.arange(q.shape[1], device=q.device))
+        if self._target_ids is None:
+            self._target_ids = self.drafter.to_target_ids(torch.arange(q.shape[1], device=q.device))
         out = logits.double()
-        out[pick] = coupled_scores(q, target_ids, self.drafter.vocab_size, s.seeds.tolist(),
+        out[pick] = coupled_scores(q, self._target_ids, self.drafter.vocab_size, s.seeds.tolist(),
                                    positions[pick].tolist())
         return out
 

@@ -83,6 +83,12 @@ class DraftShapes:
     #                            the target's own sampling race (kernels.sampling.coupled_scores)
     #                            instead of drawing from q; None = no such row
 
+    def coupled_rows(self) -> torch.Tensor:
+        """[B] bool: `coupled`, all False where it is None."""
+        if self.coupled is None:
+            return torch.zeros_like(self.num_drafts, dtype=torch.bool)
+        return self.coupled
+
     @classmethod
     def chains(cls, num_drafts: torch.Tensor) -> "DraftShapes":
         zeros = torch.zeros_like(num_drafts, dtype=torch.float32)

@@ -157,7 +157,7 @@ class Request:
     @property
     def matched(self) -> bool:
         """Its drafts are kept while they equal the target's own token: greedy requests (the
-        argmax) and coupled sampled ones (the target's seeded sample); they draft alike."""
+        argmax) and coupled sampled ones (the target's seeded sample); neither carries q."""
         return self.greedy or self.coupled
 
     @property

@@ -89,7 +89,7 @@ class ServingSettings:
     #                                            (rejection sampling of drafts drawn from q) or
     #                                            "coupled" (drafts are the drafter's guesses at
     #                                            the target's own seeded sample, kept while they
-    #                                            equal it: trees and lookups as greedy requests)
+    #                                            equal it; a request's draft_topk gives a tree)
     lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
     #                                            corpus-index.npz if it has one; "none" = off
     max_input_bytes: int = 65536               # text_input limit on the direct path

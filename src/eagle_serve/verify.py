@@ -220,7 +220,7 @@ def coupled_samples(req: Request, probs: torch.Tensor) -> torch.Tensor:
     the output is plain seeded sampling's whatever was drafted."""
     pos = len(req.tokens)
     positions = [pos + d for d in [0] + tree_depths(req.parents)]
-    return sample_ref(probs, [req.seed] * len(positions), positions, SAMPLE).to(probs.device)
+    return sample_ref(probs, [req.seed] * len(positions), positions, SAMPLE)
 
 
 def _flat_drafts(reqs: list[Request], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -187,11 +187,11 @@ def test_coupled_sampled_requests_give_plain_seeded_sampling_tokens_whatever_the
     head_dir = make_random_head(tmp_path / "h6", target_dir, 1, seed=4)
     n, prompt = 96, [5, 0, 4, 5, 0, 4, 5, 0]
 
-    def run(k: int, tree: dict = {}, **config):
+    def run(k: int, tree: dict | None = None, **config):
         engine = tiny_engine(target_dir, head_dir, sampled_verify="coupled", max_running=16,
                              max_waiting=n, num_draft_slots=1024, **config)
         params = [SamplingParams(max_tokens=12, temperature=1.5, top_k=4, seed=i,
-                                 num_speculative_tokens=k, **tree) for i in range(n)]
+                                 num_speculative_tokens=k, **(tree or {})) for i in range(n)]
         return [r.token_ids for r in engine.generate([prompt] * n, params)], engine.stats
 
     plain, _ = run(0)
