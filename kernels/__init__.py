@@ -18,3 +18,14 @@ def use_kernel(impl: str | None, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
     assert impl in IMPLS, f"impl must be one of {IMPLS} or None, not {impl!r}"
     return impl == "triton"
+
+
+def on(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as a contiguous `dtype` tensor on `device`, converted only where it is not one
+    already (a launcher's metadata is usually in place: no copy, and no host sync on a GPU)."""
+    if tensor.device != device:
+        tensor = tensor.to(device)
+    if tensor.dtype != dtype:
+        tensor = tensor.view(dtype) if tensor.dtype == torch.bool and dtype == torch.int8 \
+            else tensor.to(dtype)
+    return tensor.contiguous()

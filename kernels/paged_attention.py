@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import use_kernel
+from kernels import on, use_kernel
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -276,13 +276,15 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, impl: str | None = None):
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                     impl: str | None = None, tree_mask=None, window: int = 0, softcap: float = 0.0,
-                    positions=None):
+                    positions=None, max_q: int | None = None):
     """Dispatch on q's device (impl as in kernels/__init__.py); CPU tensors in bf16/fp16 take
-    the row-invariant path (their linears are row-invariant too: see eagle_serve.cpu_matmul)."""
+    the row-invariant path (their linears are row-invariant too: see eagle_serve.cpu_matmul).
+    max_q: the most new tokens of a request, if the caller knows it (else the kernel's launcher
+    reads it from cu_seqlens_q: a host sync on a GPU)."""
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, tree_mask, window,
             softcap, positions)
     if use_kernel(impl, q):
-        return paged_attention_triton(*args)
+        return paged_attention_triton(*args, max_q=max_q)
     if impl is None and q.dtype in (torch.bfloat16, torch.float16):
         return paged_attention_rowwise(*args)
     return paged_attention_ref(*args)
@@ -302,7 +304,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     block_t, block_w = kv_write_tile(tokens, width)
     _write_kv_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_w))](
         k.reshape(tokens, width), v.reshape(tokens, width), k_cache, v_cache,
-        slot_mapping.to(k_cache.device, torch.int64).contiguous(), tokens, width, num_slots,
+        on(slot_mapping, k_cache.device, torch.int64), tokens, width, num_slots,
         BLOCK_T=block_t, BLOCK_W=block_w)
 
 
@@ -310,8 +312,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
                            tree_mask: torch.Tensor | None = None, window: int = 0,
-                           softcap: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """As paged_attention_ref."""
+                           softcap: float = 0.0, positions: torch.Tensor | None = None,
+                           max_q: int | None = None) -> torch.Tensor:
+    """As paged_attention_ref; max_q as in paged_attention."""
     assert q.ndim == 3 and k_cache.ndim == 4 and k_cache.shape == v_cache.shape
     tokens, q_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
@@ -322,23 +325,24 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_req, group, device = block_tables.shape[0], q_heads // kv_heads, q.device
     q = q.contiguous()
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.to(device, torch.int64).contiguous()
-    lens = seq_lens.to(device, torch.int64).contiguous()
-    max_q = int((cu[1:] - cu[:-1]).max()) if num_req else 0
+    cu = on(cu_seqlens_q, device, torch.int64)
+    lens = on(seq_lens, device, torch.int64)
+    if max_q is None:
+        max_q = int((cu[1:] - cu[:-1]).max()) if num_req else 0
     if tokens == 0 or max_q == 0:
         return out
     if tree_mask is not None:
         assert tree_mask.ndim == 3 and tree_mask.shape[0] == num_req
         assert tree_mask.shape[1] == tree_mask.shape[2] >= max_q
-        tree_mask = tree_mask.to(device, torch.int8).contiguous()
+        tree_mask = on(tree_mask, device, torch.int8)
     block_m, block_q = attention_tile(group, max_q)
-    tables = block_tables.to(device, torch.int64).contiguous()
+    tables = on(block_tables, device, torch.int64)
     tree = tree_mask if tree_mask is not None else tables  # any tensor; unused without a tree
     if window > 0 and positions is None:  # the stored positions
         n_q = cu[1:] - cu[:-1]
         positions = torch.repeat_interleave(lens - n_q, n_q, output_size=tokens) + \
             torch.arange(tokens, device=device) - torch.repeat_interleave(cu[:-1], n_q, output_size=tokens)
-    pos = positions.to(device, torch.int64).contiguous() if window > 0 else tables  # unused without
+    pos = on(positions, device, torch.int64) if window > 0 else tables  # unused without
     _paged_attention_kernel[(num_req, triton.cdiv(max_q, block_q), kv_heads)](
         q, k_cache, v_cache, tables, cu, lens, tree, pos, out, scale, max(int(window), 0),
         float(softcap),

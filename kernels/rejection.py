@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import use_kernel
+from kernels import on, use_kernel
 from kernels.sampling import (ACCEPT, RESIDUAL, SAMPLE, _race_block, _uniform, key_seed,
                               keyed_exponentials, keyed_uniform, vocab_row_tile)
 
@@ -78,23 +78,33 @@ def greedy_tree_accept(draft_ids: torch.Tensor, parents: torch.Tensor, cu_num_dr
     out = torch.full((num_req, max_k + 1), -1, dtype=torch.int64)
     path = torch.full((num_req, max_k), -1, dtype=torch.int64)
     num = torch.zeros(num_req, dtype=torch.int64)
-    drafts, parent, argmax = draft_ids.tolist(), parents.tolist(), target_argmax.tolist()
-    for b in range(num_req):
+    walks = greedy_tree_walk(draft_ids.tolist(), parents.tolist(), cu, target_argmax.tolist())
+    for b, (emitted, accepted) in enumerate(walks):
+        out[b, :len(emitted)] = torch.tensor(emitted)
+        path[b, :len(accepted)] = torch.tensor(accepted, dtype=torch.int64)
+        num[b] = len(emitted)
+    return out, num, path
+
+
+def greedy_tree_walk(drafts: list[int], parents: list[int], cu: list[int],
+                     argmax: list[int]) -> list[tuple[list[int], list[int]]]:
+    """greedy_tree_accept on host lists (the same layout) -> per request (emitted tokens,
+    accepted node indices in path order)."""
+    walks = []
+    for b in range(len(cu) - 1):
         nodes = range(cu[b], cu[b + 1])
         rows = argmax[cu[b] + b: cu[b + 1] + b + 1]  # rows[0]: root, rows[1 + i]: node i
         emitted, accepted, current = [], [], -1
         while True:
             emitted.append(rows[current + 1])
             child = next((n - cu[b] for n in nodes
-                          if parent[n] == current and drafts[n] == emitted[-1]), None)
+                          if parents[n] == current and drafts[n] == emitted[-1]), None)
             if child is None:
                 break
             accepted.append(child)
             current = child
-        out[b, :len(emitted)] = torch.tensor(emitted)
-        path[b, :len(accepted)] = torch.tensor(accepted, dtype=torch.int64)
-        num[b] = len(emitted)
-    return out, num, path
+        walks.append((emitted, accepted))
+    return walks
 
 
 def random_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
@@ -226,8 +236,7 @@ def _ragged_args(draft_ids, cu_num_drafts, device):
     cu = cu_num_drafts.tolist()
     assert cu[0] == 0 and cu[-1] == draft_ids.shape[0], "cu_num_drafts: [B+1] from 0 to N"
     max_k = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-    return (draft_ids.to(device, torch.int64).contiguous(),
-            cu_num_drafts.to(device, torch.int64).contiguous(), cu, max_k)
+    return on(draft_ids, device, torch.int64), on(cu_num_drafts, device, torch.int64), cu, max_k
 
 
 def greedy_accept_triton(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
@@ -265,7 +274,7 @@ def random_accept_triton(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
     num = torch.zeros(num_req, dtype=torch.int64, device=device)
     if num_req == 0:
         return out, num
-    draft_probs = draft_probs.to(device).contiguous()
+    draft_probs = on(draft_probs, device, draft_probs.dtype)
     # Per target row: the draft row it is compared with (-1: bonus) and the key of its race.
     q_row, race_keys, accept_keys = [], [], []
     for b in range(num_req):

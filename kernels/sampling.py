@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import use_kernel
+from kernels import on, use_kernel
 
 # Purposes of a draw at one position.
 SAMPLE, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
@@ -153,8 +153,8 @@ def compute_probs_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k:
         return out
     device = logits.device
     _probs_kernel[(rows,)](
-        logits, temperature.to(device, torch.float32).contiguous(),
-        top_k.to(device, torch.int64).contiguous(), top_p.to(device, torch.float32).contiguous(),
+        logits, on(temperature, device, torch.float32), on(top_k, device, torch.int64),
+        on(top_p, device, torch.float32),
         out, vocab, logits.stride(0), out.stride(0), BLOCK_V=probs_block(vocab))
     return out
 

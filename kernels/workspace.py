@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import use_kernel
+from kernels import on, use_kernel
 
 
 def scatter_rows_ref(store: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -52,10 +52,10 @@ def scatter_rows_triton(store: torch.Tensor, slots: torch.Tensor, rows: torch.Te
     n, d = rows.shape
     if n == 0:
         return
-    rows = rows.to(store.device).contiguous()
+    rows = on(rows, store.device, rows.dtype)
     block_n, block_d = row_tile(n, d)
     _scatter_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(d, block_d))](
-        store, slots.to(store.device, torch.int64).contiguous(), rows, n, d, store.shape[0],
+        store, on(slots, store.device, torch.int64), rows, n, d, store.shape[0],
         store.stride(0), rows.stride(0), BLOCK_N=block_n, BLOCK_D=block_d)
 
 
@@ -69,7 +69,7 @@ def gather_rows_triton(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor
         return out
     block_n, block_d = row_tile(n, d)
     _gather_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(d, block_d))](
-        store, slots.to(store.device, torch.int64).contiguous(), out, n, d, store.shape[0],
+        store, on(slots, store.device, torch.int64), out, n, d, store.shape[0],
         store.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_D=block_d)
     return out
 

@@ -3,7 +3,8 @@ starts (once per name and session) the real tritonserver on a copy of model_repo
 returns a `server.TritonServer` (http_url, grpc_url, metrics_url, log_path, repo). A failing
 test that used one gets the tail of its log in the report. `tiny_models` are the float64 tiny
 Llama (with the default model's tokenizer) and its random heads that `server.tiny_server`
-serves (exact greedy equality holds).
+serves (exact greedy equality holds). `kernels_on_cpu` sends every kernel dispatcher down its
+GPU path (the Triton kernel, through the interpreter).
 """
 import os
 
@@ -24,6 +25,16 @@ def tiny_models(tmp_path_factory):
     return {"target": target,
             "eagle3": make_random_head(root / "eagle3", target, 3, draft_vocab_size=8192),
             "eagle1": make_random_head(root / "eagle1", target, 1, fc_bias=True, fmt="bin")}
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Every dispatcher runs its Triton kernel (the GPU path), on CPU tensors too, through the
+    interpreter (impl "ref" still the ref)."""
+    from kernels import paged_attention, rejection, sampling, workspace
+
+    for module in (paged_attention, rejection, sampling, workspace):
+        monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
 
 
 @pytest.fixture(scope="session")

@@ -63,10 +63,14 @@ def batch_tensors(pb, batch: RaggedBatch, sampling: RowSampling) -> list:
 
 
 def batch_from_request(pb, request, device) -> tuple[RaggedBatch, RowSampling]:
+    """The batch and its sampling rows; the longest request's new tokens are read once here
+    (one host sync per call, not one per attention layer)."""
     read = lambda name: input_tensor(pb, request, name).to(device)  # noqa: E731
     tree = input_tensor(pb, request, "tree_mask", optional=True)
     batch = RaggedBatch(*(read(f) for f in BATCH_FIELDS),
                         tree_mask=None if tree is None else tree.to(device).bool())
+    cu = batch.cu_seqlens
+    batch.max_query_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     return batch, RowSampling(*(read(f) for f in SAMPLING_FIELDS))
 
 
@@ -141,7 +145,7 @@ class BlsTarget(_BlsModel):
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
                 kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ban: TokenBan | None = None) -> TargetOutput:
-        outputs = ["hidden", "argmax"] + (["probs"] if bool(sampling.sampled.any()) else [])
+        outputs = ["hidden", "argmax"] + (["probs"] if sampling.sampled_indices().numel() else [])
         inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "logit_rows", logit_rows)]
         if kv_moves is not None and kv_moves[0].numel() > 0:
             inputs += [to_pb(self.pb, "kv_move_src", kv_moves[0]),
@@ -160,12 +164,13 @@ class BlsDrafter(_BlsModel):
     def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
                 sampling: RowSampling) -> DraftOutput:
         coupled = shapes.coupled_rows()
-        wants_probs = bool((sampling.sampled & ~coupled & (shapes.num_drafts > 0)).any())
-        trees = bool((shapes.topk > 1).any())
+        wants_probs, trees, any_coupled = torch.stack([  # one read
+            (sampling.sampled & ~coupled & (shapes.num_drafts > 0)).any(), (shapes.topk > 1).any(),
+            coupled.any()]).tolist()
         outputs = ["tokens"] + (["probs"] if wants_probs else []) + (["parents"] if trees else [])
         inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "features", features)]
         inputs += [to_pb(self.pb, name, getattr(shapes, field)) for name, field in SHAPE_INPUTS.items()]
-        if bool(coupled.any()):
+        if any_coupled:
             inputs.append(to_pb(self.pb, "draft_coupled", coupled.to(torch.int8)))
         r = self.call(inputs, outputs)
         no_drafts = torch.zeros((shapes.num_drafts.shape[0], 0), dtype=torch.int64, device=self.device)

@@ -24,13 +24,15 @@ rejection sampling stays exact.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
-import math
-
+import numpy as np
 import torch
 from torch import nn
 
+from eagle_serve import staging
 from eagle_serve.heads import EagleHead
 from eagle_serve.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling, ancestor_mask
 from eagle_serve.paged import PagedKVCache
@@ -89,78 +91,85 @@ class Drafter:
         emb = nn.functional.embedding(batch.input_ids, self.embed_tokens)
         out = self.head.step(emb, features.to(self.dtype), True, batch, self.cache)
         last = out[batch.cu_seqlens[1:] - 1]  # [B, H]
-        num_drafts, topk, depth = shapes.num_drafts, shapes.topk, shapes.depth
-        limits = log_limit(shapes.min_prob), log_limit(shapes.expand_prob)  # [B] each
-        couple = _Coupling(self, sampling, shapes.coupled_rows())
-        drafting = couple.drafting  # coupled rows draft as greedy ones
-        if bool(((topk > 1) & drafting.sampled).any()):  # a tree needs one guess per node
+        couple = _Coupling(self, sampling, shapes.coupled)
+        rows = _Rows.read(batch, shapes, couple.drafting)  # coupled rows draft as greedy ones
+        couple.rows = rows
+        if any(t > 1 and s for t, s in zip(rows.topk, rows.sampled)):  # a tree needs one guess per node
             raise ValueError("rejection-sampled rows draft chains (draft_topk 1); trees need "
                              "argmax or coupled drafting")
-        is_tree = topk > 1  # [B]
-        tokens, probs = self._draft_chains(batch, last, torch.where(is_tree, 0, num_drafts),
-                                           drafting, *limits, couple)
-        ks = num_drafts.tolist()
+        ks = rows.num_drafts
+        tree_rows = [b for b, t in enumerate(rows.topk) if t > 1]
+        chain_ks = [0 if t > 1 else k for k, t in zip(ks, rows.topk)]
+        tokens, probs = self._draft_chains(batch, last, chain_ks, rows, couple.drafting, couple)
         width = max(ks, default=0)
         cols = torch.arange(width, device=self.device)
-        parents = torch.where(cols < num_drafts.unsqueeze(1), cols - 1, -1)  # [B, width] chains
+        parents = torch.where(cols < shapes.num_drafts.unsqueeze(1), cols - 1, -1)  # [B, width] chains
         tokens = nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=-1)
         scores = None
-        tree_rows = is_tree.nonzero().squeeze(1).tolist()
         if tree_rows:
             scores = torch.zeros((len(ks), width), dtype=torch.float64, device=self.device)
-            trees = self._draft_trees(batch, last, tree_rows, ks, topk.tolist(), depth.tolist(),
-                                      [(limits[0][b].item(), limits[1][b].item()) for b in tree_rows],
+            trees = self._draft_trees(batch, last, tree_rows, ks, rows.topk, rows.depth,
+                                      [(rows.min_logp[b], rows.expand_logp[b]) for b in tree_rows],
                                       couple)
-            for b, tree in zip(tree_rows, trees):
-                n = len(tree.tokens)
-                tokens[b], parents[b] = -1, -1
-                tokens[b, :n] = torch.tensor(tree.tokens, device=self.device)
-                parents[b, :n] = torch.tensor(tree.parents, device=self.device)
-                scores[b, :n] = torch.tensor(tree.scores, dtype=torch.float64, device=self.device)
+            pad = lambda x, fill: [r + [fill] * (width - len(r)) for r in x]  # noqa: E731
+            staged = staging.to_device({  # one copy
+                "rows": staging.int64(tree_rows),
+                "tokens": np.array(pad([t.tokens for t in trees], -1), dtype=np.int64),
+                "parents": np.array(pad([t.parents for t in trees], -1), dtype=np.int64),
+                "scores": np.array(pad([t.scores for t in trees], 0.0), dtype=np.float64)}, self.device)
+            index = staged["rows"]
+            tokens[index], parents[index], scores[index] = staged["tokens"], staged["parents"], staged["scores"]
         return DraftOutput(tokens=tokens, probs=probs, parents=parents, scores=scores)
 
-    def _draft_chains(self, batch: RaggedBatch, last: torch.Tensor, num_drafts: torch.Tensor,
-                      sampling: RowSampling, min_logp: torch.Tensor,
-                      expand_logp: torch.Tensor, couple: "_Coupling") -> tuple[torch.Tensor, torch.Tensor]:
-        """k_b drafts per request, each fed back with the drafter's own feature.
-        last: [B, H] catch-up outputs; min_logp, expand_logp: [B] log limits (sampled rows: min_logp only)
-        -> tokens [B, max_k] (-1 padded), q [N_sampled, V]"""
-        ks = num_drafts.tolist()
+    def _draft_chains(self, batch: RaggedBatch, last: torch.Tensor, ks: list[int], rows: "_Rows",
+                      sampling: RowSampling, couple: "_Coupling") -> tuple[torch.Tensor, torch.Tensor]:
+        """ks[b] drafts for request b, each fed back with the drafter's own feature. Which rows
+        go on is decided on the host (`rows`): per step one staged copy (the active rows and
+        their positions) and, with confidence limits, one read of the step's log-probabilities.
+        last: [B, H] catch-up outputs -> tokens [B, max_k] (-1 padded), q [N_sampled, V]"""
         num_req, max_k = len(ks), max(ks, default=0)
         tokens = torch.full((num_req, max_k), -1, dtype=torch.int64, device=self.device)
-        probs = [[] for _ in range(num_req)]
-        active = torch.arange(num_req, device=self.device)
-        seq_lens = batch.seq_lens
-        prune = bool(((min_logp > -math.inf) | (expand_logp > -math.inf)).any())
-        stop_logp = torch.maximum(min_logp, expand_logp)  # [B]
-        path_logp = torch.zeros(num_req, dtype=torch.float64, device=self.device)  # [B]
-        going = torch.ones(num_req, dtype=torch.bool, device=self.device)  # [B]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(num_req)]
+        prune = any(lo > -math.inf or hi > -math.inf for lo, hi in zip(rows.min_logp, rows.expand_logp))
+        path_logp, going, dropped = [0.0] * num_req, [True] * num_req, []
         for j in range(max_k):
-            active = active[(num_drafts[active] > j) & going[active]]
-            if active.numel() == 0:
+            active = [b for b in range(num_req) if ks[b] > j and going[b]]
+            if not active:
                 break
+            positions = [rows.seq_lens[b] + j + 1 for b in active]  # the target positions drafted
+            picks = [i for i, b in enumerate(active) if rows.sampled[b]]
+            staged = staging.to_device({"active": staging.int64(active),
+                                        "positions": staging.int64(positions),
+                                        "sampled": staging.int64(picks)}, self.device)
+            index = staged["active"]  # [A]
             if j > 0:  # feed back (own feature, previous draft) at position seq_len + j - 1
-                step = self._single_token_batch(batch, active, tokens[active, j - 1], seq_lens[active] + j - 1)
+                step = self._single_token_batch(batch, index, tokens[index, j - 1], staged["positions"] - 2)
                 emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
                 last = last.clone()
-                last[active] = self.head.step(emb, last[active], False, step, self.cache)
-            positions = seq_lens[active] + j + 1  # [A] the target positions drafted
-            logits = couple(self.logits(last[active]), active, positions)  # [A, V_draft]
-            drafted, q = self._sample(logits, sampling.select(active), positions.tolist())
-            tokens[active, j] = drafted
+                last[index] = self.head.step(emb, last[index], False, step, self.cache)
+            logits = couple(self.logits(last[index]), active, positions)  # [A, V_draft]
+            drafted, q = self._sample(logits, sampling.select(index), staged["sampled"],
+                                      [rows.seeds[active[i]] for i in picks],
+                                      [positions[i] for i in picks])
+            tokens[index, j] = drafted
+            keep = [True] * len(active)
             if prune:  # path probability: greedy rows their argmax's, sampled rows their q's top
-                sampled = sampling.sampled[active]  # [A]
-                step_logp = torch.empty(active.shape[0], dtype=torch.float64, device=self.device)
-                step_logp[~sampled] = torch.log_softmax(logits[~sampled].double(), -1).amax(-1)
+                step_logp = (torch.log_softmax(logits.double(), -1).amax(-1) if len(picks) < len(active)
+                             else torch.zeros(len(active), dtype=torch.float64, device=logits.device))  # [A]
                 if q is not None:  # decided from q alone, before the draft: stays lossless
-                    step_logp[sampled] = q[sampled].double().amax(-1).log()
-                path_logp[active] += step_logp
-                low = path_logp[active] < min_logp[active]
-                tokens[active[low & (sampled | (j > 0))], j] = -1  # a greedy first draft stays
-                going[active[path_logp[active] < stop_logp[active]]] = False
-            for row, b in enumerate(active.tolist()):
-                if q is not None and sampling.temperature[b] > 0 and tokens[b, j] >= 0:
-                    probs[b].append(q[row])
+                    step_logp[staged["sampled"]] = q[staged["sampled"]].double().amax(-1).log()
+                for i, (b, lp) in enumerate(zip(active, step_logp.tolist())):
+                    path_logp[b] += lp
+                    keep[i] = not (path_logp[b] < rows.min_logp[b] and (rows.sampled[b] or j > 0))
+                    going[b] = path_logp[b] >= max(rows.min_logp[b], rows.expand_logp[b])
+                dropped += [(b, j) for b, k in zip(active, keep) if not k]  # a greedy first draft stays
+            for i in picks:
+                if keep[i]:
+                    probs[active[i]].append(q[i])
+        if dropped:  # one staged copy for every pruned draft
+            at = staging.to_device({"rows": staging.int64([b for b, _ in dropped]),
+                                    "cols": staging.int64([j for _, j in dropped])}, self.device)
+            tokens[at["rows"], at["cols"]] = -1
         flat = [p for per_req in probs for p in per_req]
         q_all = torch.stack(flat) if flat else torch.zeros((0, self.vocab_size), device=self.device)
         return tokens, q_all.float()
@@ -173,7 +182,8 @@ class Drafter:
         cumulative log-probability, in one drafter forward for every tree of the batch; then
         the best num_nodes candidates are kept. last: [B, H] catch-up outputs; limits: (min,
         expand) log limits per tree."""
-        trees = [_Tree(int(batch.seq_lens[b]), topk[b], depth[b], num_nodes[b], lim[0])
+        seq_lens, tables = couple.rows.seq_lens, batch.block_tables.tolist()
+        trees = [_Tree(seq_lens[b], topk[b], depth[b], num_nodes[b], lim[0])
                  for b, lim in zip(rows, limits)]
         self._add_children(trees, [-1] * len(trees), last[rows], couple, rows)
         for level in range(1, max(t.depth for t in trees)):
@@ -182,11 +192,11 @@ class Drafter:
             if not active:
                 break
             new_rows = [trees[i].expand(level, last[rows[i]]) for i in active]
-            step = self._tree_batch(batch, [rows[i] for i in active], [trees[i] for i in active])
+            step = self._tree_batch(tables, [rows[i] for i in active], [trees[i] for i in active])
             emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
             feats = torch.cat([torch.stack(trees[i].inputs) for i in active])
             out = self.head.step(emb, feats, False, step, self.cache)  # [sum E, H]
-            ends = step.cu_seqlens[1:].tolist()
+            ends = list(itertools.accumulate(len(trees[i].expanded) for i in active))  # step's cu
             picked = [(i, c, out[end - len(new) + r]) for i, new, end in zip(active, new_rows, ends)
                       for r, c in enumerate(new)]
             for i, c, feature in picked:
@@ -201,50 +211,53 @@ class Drafter:
         """The top-k children of each (tree, node) from its output feature [R, H]; rows: the
         batch row of each tree. A node's children draft the target position end + 1 + its depth."""
         positions = [t.end + 1 + (t.depths[c] if c >= 0 else 0) for t, c in zip(trees, nodes)]
-        ints = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        logits = couple(self.logits(features), ints(rows), ints(positions))
+        logits = couple(self.logits(features), rows, positions)
         logp = torch.log_softmax(logits.double(), dim=-1)  # [R, V_draft]
         values, ids = logp.topk(max(t.topk for t in trees), dim=-1)
-        target_ids = self.to_target_ids(ids)
-        for r, (tree, node) in enumerate(zip(trees, nodes)):
+        k_max = values.shape[1]  # target ids (< 2**53: exact in float64) beside their scores
+        read = torch.cat([self.to_target_ids(ids).double(), values], dim=1).tolist()  # one read
+        for row, tree, node in zip(read, trees, nodes):
             k = tree.topk
-            tree.add(node, target_ids[r, :k].tolist(), values[r, :k].tolist())
+            tree.add(node, [int(t) for t in row[:k]], row[k_max:k_max + k])
 
-    def _tree_batch(self, batch: RaggedBatch, rows: list[int], trees: list["_Tree"]) -> RaggedBatch:
+    def _tree_batch(self, tables: list[list[int]], rows: list[int], trees: list["_Tree"]) -> RaggedBatch:
         """Every expanded node of each tree as a new token: stored at seq_len + e (e = order of
-        expansion), RoPE position seq_len + depth - 1, seeing the context and its ancestors."""
-        tables = batch.block_tables[rows]
+        expansion), RoPE position seq_len + depth - 1, seeing the context and its ancestors.
+        tables: the call's block tables (host) -> one staged batch"""
         ids, positions, slots, cu, seq_lens = [], [], [], [0], []
-        for b, tree in enumerate(trees):
+        for b, tree in zip(rows, trees):
             stored = range(tree.end, tree.end + len(tree.expanded))
             ids += [tree.tokens[c] for c in tree.expanded]
             positions += [tree.end + tree.depths[c] - 1 for c in tree.expanded]
-            pages = tables[b, [p // self.page_size for p in stored]].tolist()
+            pages = [tables[b][p // self.page_size] for p in stored]
             slots += [page * self.page_size + p % self.page_size for page, p in zip(pages, stored)]
             cu.append(cu[-1] + len(stored))
             seq_lens.append(stored.stop)
         width = max(len(t.expanded) for t in trees)
-        mask = torch.zeros((len(trees), width, width), dtype=torch.bool)
+        mask = np.zeros((len(trees), width, width), dtype=np.bool_)
         for b, tree in enumerate(trees):
             n = len(tree.expanded)
             mask[b, :n, :n] = ancestor_mask(tree.expanded_parents())
-        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens), tables, t(slots),
-                           tree_mask=mask.to(self.device))
+        staged = staging.to_device({"input_ids": staging.int64(ids), "positions": staging.int64(positions),
+                                    "cu_seqlens": staging.int64(cu), "seq_lens": staging.int64(seq_lens),
+                                    "block_tables": staging.padded([tables[b] for b in rows]),
+                                    "slot_mapping": staging.int64(slots), "tree_mask": mask}, self.device)
+        return RaggedBatch.staged(staged, width)
 
-    def _sample(self, logits: torch.Tensor, s: RowSampling, positions: list[int]):
-        """-> target ids [R], target-vocabulary q [R, V] (None if all greedy)"""
+    def _sample(self, logits: torch.Tensor, s: RowSampling, picks: torch.Tensor,
+                seeds: list[int], positions: list[int]):
+        """logits [R, V_draft]; picks: [S] the sampled rows, with their seeds and positions (host)
+        -> target ids [R], target-vocabulary q [R, V] (None if no row is sampled)"""
         # bf16 argmax is slow on CPU; coupled rows' float64 scores keep their precision
         draft_ids = (logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1)
-        if not bool(s.sampled.any()):
+        if picks.numel() == 0:
             return self.to_target_ids(draft_ids), None
-        rows = s.sampled.nonzero().squeeze(1)
-        rs = s.select(rows)
-        q_draft = compute_probs(logits[rows], rs.temperature, rs.top_k, rs.top_p)
+        rs = s.select(picks)
+        q_draft = compute_probs(logits[picks], rs.temperature, rs.top_k, rs.top_p)
         q = self.to_target_probs(q_draft)
-        draft_ids[rows] = sample(q_draft, rs.seeds.tolist(), [positions[r] for r in rows.tolist()], DRAFT)
+        draft_ids[picks] = sample(q_draft, seeds, positions, DRAFT)
         full_q = q.new_zeros((logits.shape[0], self.vocab_size))
-        full_q[rows] = q
+        full_q[picks] = q
         return self.to_target_ids(draft_ids), full_q
 
     def _single_token_batch(self, batch: RaggedBatch, active: torch.Tensor, ids: torch.Tensor,
@@ -255,7 +268,30 @@ class Drafter:
         return RaggedBatch(input_ids=ids, positions=positions,
                            cu_seqlens=torch.arange(n + 1, device=self.device),
                            seq_lens=positions + 1, block_tables=tables,
-                           slot_mapping=pages * self.page_size + positions % self.page_size)
+                           slot_mapping=pages * self.page_size + positions % self.page_size,
+                           max_query_len=1)
+
+
+@dataclass
+class _Rows:
+    """What the drafter decides on the host about each row of a call, read in two copies."""
+    num_drafts: list[int]
+    topk: list[int]
+    depth: list[int]
+    seq_lens: list[int]
+    seeds: list[int]
+    sampled: list[bool]      # drafts drawn from q (rejection-sampled rows)
+    coupled: list[bool]
+    min_logp: list[float]    # log limits, -inf = off (see log_limit)
+    expand_logp: list[float]
+
+    @classmethod
+    def read(cls, batch: RaggedBatch, shapes: DraftShapes, drafting: RowSampling) -> "_Rows":
+        flags = torch.stack([drafting.sampled, shapes.coupled_rows()]).long()
+        ints = torch.cat([torch.stack([shapes.num_drafts, shapes.topk, shapes.depth,
+                                       batch.seq_lens, drafting.seeds]), flags]).tolist()
+        limits = torch.stack([log_limit(shapes.min_prob), log_limit(shapes.expand_prob)]).tolist()
+        return cls(*ints[:5], [bool(x) for x in ints[5]], [bool(x) for x in ints[6]], *limits)
 
 
 class _Coupling:
@@ -263,26 +299,35 @@ class _Coupling:
     coupled_scores, so they draft as greedy rows do (argmax, trees, confidence limits) and
     carry no q; verification matches the drafts against the target's keyed samples."""
 
-    def __init__(self, drafter: "Drafter", sampling: RowSampling, coupled: torch.Tensor):
-        self.drafter, self.sampling, self.coupled = drafter, sampling, coupled  # coupled: [B] bool
-        zero = torch.zeros_like(sampling.temperature)
-        self.drafting = RowSampling(torch.where(coupled, zero, sampling.temperature),
-                                    sampling.top_k, sampling.top_p, sampling.seeds)
+    def __init__(self, drafter: "Drafter", sampling: RowSampling, coupled: torch.Tensor | None):
+        self.drafter, self.sampling, self.coupled = drafter, sampling, coupled  # [B] bool; None: none
+        self.rows: _Rows | None = None  # set once read
+        self.drafting = sampling
+        if coupled is not None:
+            zero = torch.zeros_like(sampling.temperature)
+            self.drafting = RowSampling(torch.where(coupled, zero, sampling.temperature),
+                                        sampling.top_k, sampling.top_p, sampling.seeds)
         self._target_ids: torch.Tensor | None = None  # [V_draft] target id of each draft id
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """logits: [A, V_draft] of batch rows `rows` [A], drafting target positions [A] -> the
-        same, coupled rows' replaced (float64 if any row is coupled)"""
-        pick = self.coupled[rows].nonzero().squeeze(1)
-        if pick.numel() == 0:
+    def __call__(self, logits: torch.Tensor, rows: list[int], positions: list[int]) -> torch.Tensor:
+        """logits: [A, V_draft] of batch rows `rows`, drafting target `positions` -> the same,
+        coupled rows' replaced (float64 if any row is coupled)"""
+        if self.coupled is None:
             return logits
-        s = self.sampling.select(rows[pick])
+        picks = [i for i, b in enumerate(rows) if self.rows.coupled[b]]
+        if not picks:
+            return logits
+        staged = staging.to_device({"picks": staging.int64(picks),
+                                    "rows": staging.int64([rows[i] for i in picks])}, logits.device)
+        pick = staged["picks"]
+        s = self.sampling.select(staged["rows"])
         q = compute_probs(logits[pick], s.temperature, s.top_k, s.top_p)  # [P, V_draft]
         if self._target_ids is None:
             self._target_ids = self.drafter.to_target_ids(torch.arange(q.shape[1], device=q.device))
         out = logits.double()
-        out[pick] = coupled_scores(q, self._target_ids, self.drafter.vocab_size, s.seeds.tolist(),
-                                   positions[pick].tolist())
+        out[pick] = coupled_scores(q, self._target_ids, self.drafter.vocab_size,
+                                   [self.rows.seeds[rows[i]] for i in picks],
+                                   [positions[i] for i in picks])
         return out
 
 

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch
+from eagle_serve import staging
+from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.lookup import ContextIndex, CorpusIndex, Proposal
 from eagle_serve.requests import Request, SamplingParams
 from eagle_serve.settings import EngineConfig
-from eagle_serve.verify import DraftWork, block_tables, int_tensor, row_sampling
+from eagle_serve.verify import DraftWork, sampling_fields
 from eagle_serve.workspace import DraftWorkspace
 
 
@@ -218,6 +220,8 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
             w.features = torch.cat([*w.req.undrafted, w.features])
             w.req.undrafted = []
     out = _call_drafter(called, drafter, pool, device) if called else None
+    tokens, tree_parents = _read_drafts(out)
+    stores = []  # (slots, q rows) of the sampled requests, written at once
     row = prob_row = 0
     for w, shape, left in zip(work, shapes, lefts):
         req = w.req
@@ -225,9 +229,9 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         if shape.nodes:
             req.draft_computed = req.num_computed
             pool.shrink(req.drafter_pages, req.draft_computed)
-            drafts = out.tokens[row, :shape.nodes].tolist()
+            drafts = tokens[row][:shape.nodes]
             drafts = drafts[:drafts.index(-1)] if -1 in drafts else drafts  # fewer nodes
-            parents = (out.parents[row, :len(drafts)].tolist() if out.parents is not None
+            parents = (tree_parents[row][:len(drafts)] if tree_parents is not None
                        else list(range(-1, len(drafts) - 1)))
             if not req.matched:
                 q = out.probs[prob_row:prob_row + len(drafts)]
@@ -243,13 +247,27 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         if slots is None:  # no free slots: this round verifies no drafts
             continue
         if not req.matched and drafts:
-            workspace.store(slots, _with_lookups(q, drafts[num_head:], workspace.vocab_size))
+            stores.append((slots, _with_lookups(q, drafts[num_head:], workspace.vocab_size)))
         req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
+    if stores:
+        workspace.store([s for slots, _ in stores for s in slots], torch.cat([q for _, q in stores]))
+
+
+def _read_drafts(out) -> tuple[list[list[int]], list[list[int]] | None]:
+    """A drafter call's tokens and parents (None: chains), read in one go (not per request)."""
+    if out is None:
+        return [], None
+    if out.parents is None:
+        return out.tokens.tolist(), None
+    both = torch.stack([out.tokens, out.parents]).tolist()  # [2, B, max_k]
+    return both[0], both[1]
 
 
 def _with_lookups(q: torch.Tensor | None, lookups: list[int], vocab_size: int) -> torch.Tensor:
     """[n_head, V] the head drafts' q -> [n_head + n_lookup, V], a lookup proposal's q one-hot
     at its token (it is proposed with certainty)."""
+    if q is not None and not lookups:
+        return q
     one_hot = torch.zeros((len(lookups), vocab_size),
                           dtype=q.dtype if q is not None else torch.float32,
                           device=q.device if q is not None else "cpu")
@@ -270,18 +288,24 @@ def _call_drafter(called: list[tuple[DraftWork, RoundShape]], drafter: DrafterRu
         slots += [pool.slot(req.drafter_pages, p) for p in range(start, end)]
         cu.append(cu[-1] + end - start)
         seq_lens.append(end)
-    t = lambda x: int_tensor(x, device)  # noqa: E731
-    batch = RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens),
-                        block_tables([w.req.drafter_pages for w, _ in called], device), t(slots))
     shapes = [s for _, s in called]
-    prob = lambda x: torch.tensor(x, dtype=torch.float32, device=device)  # noqa: E731
-    coupled = [w.req.coupled for w, _ in called]
-    wire = DraftShapes(t([s.nodes for s in shapes]), t([s.topk for s in shapes]),
-                       t([s.depth for s in shapes]), prob([s.min_prob for s in shapes]),
-                       prob([s.expand_prob for s in shapes]),
-                       torch.tensor(coupled, device=device) if any(coupled) else None)
+    fields = {"input_ids": staging.int64(ids), "positions": staging.int64(positions),
+              "cu_seqlens": staging.int64(cu), "seq_lens": staging.int64(seq_lens),
+              "block_tables": staging.padded([w.req.drafter_pages for w, _ in called]),
+              "slot_mapping": staging.int64(slots),
+              "num_drafts": staging.int64([s.nodes for s in shapes]),
+              "topk": staging.int64([s.topk for s in shapes]),
+              "depth": staging.int64([s.depth for s in shapes]),
+              "min_prob": staging.float32([s.min_prob for s in shapes]),
+              "expand_prob": staging.float32([s.expand_prob for s in shapes]),
+              "coupled": np.asarray([w.req.coupled for w, _ in called], dtype=np.bool_)}
+    fields |= sampling_fields([w.req.sampling_row() for w, _ in called])
+    staged = staging.to_device(fields, device)  # one copy
+    wire = DraftShapes(*(staged[f] for f in ("num_drafts", "topk", "depth", "min_prob", "expand_prob")),
+                       coupled=staged["coupled"] if any(w.req.coupled for w, _ in called) else None)
+    batch = RaggedBatch.staged(staged, max((b - a for a, b in zip(cu, cu[1:])), default=0))
     return drafter.propose(batch, torch.cat([w.features for w, _ in called]), wire,
-                           row_sampling([w.req.sampling_row() for w, _ in called], device))
+                           RowSampling.staged(staged))
 
 
 def first_path(drafts: list[int], parents: list[int]) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -39,6 +40,16 @@ class RaggedBatch:
     block_tables: torch.Tensor  # [B, P] int64, -1 padded
     slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset
     tree_mask: torch.Tensor | None = None  # [B, Qt, Qt] bool, Qt >= every n_b; None = causal
+    max_query_len: int | None = None  # the largest n_b, known on the host (None: read from
+    #                                   cu_seqlens where needed, a host sync on a GPU)
+
+    @classmethod
+    def staged(cls, fields: dict[str, torch.Tensor], max_query_len: int) -> "RaggedBatch":
+        """From eagle_serve.staging's views: input_ids, positions, cu_seqlens, seq_lens,
+        block_tables, slot_mapping (and tree_mask, if staged)."""
+        return cls(fields["input_ids"], fields["positions"], fields["cu_seqlens"],
+                   fields["seq_lens"], fields["block_tables"], fields["slot_mapping"],
+                   tree_mask=fields.get("tree_mask"), max_query_len=max_query_len)
 
 
 @dataclass
@@ -48,10 +59,23 @@ class RowSampling:
     top_k: torch.Tensor        # [R] int64; 0 = off
     top_p: torch.Tensor        # [R] float32
     seeds: torch.Tensor        # [R] int64
+    sampled_rows: torch.Tensor | None = None  # [S] int64: the rows with temperature > 0, as
+    #                            the host knew them (None: found from temperature, a host sync)
 
     @property
     def sampled(self) -> torch.Tensor:  # [R] bool
         return self.temperature > 0
+
+    def sampled_indices(self) -> torch.Tensor:
+        """[S] int64 the sampled rows (S = 0: none; the shape is known on the host)."""
+        if self.sampled_rows is not None:
+            return self.sampled_rows
+        return self.sampled.nonzero().squeeze(1)
+
+    @classmethod
+    def staged(cls, fields: dict[str, torch.Tensor]) -> "RowSampling":
+        """From eagle_serve.staging's views of verify.sampling_fields."""
+        return cls(*(fields[f] for f in ("temperature", "top_k", "top_p", "seeds", "sampled_rows")))
 
     def select(self, rows: torch.Tensor) -> "RowSampling":
         return RowSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows],
@@ -123,9 +147,9 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[N, N] bool: node i sees node j where j is i or one of its ancestors."""
-    mask = torch.eye(len(parents), dtype=torch.bool)
+def ancestor_mask(parents: list[int]) -> np.ndarray:
+    """[N, N] bool (host): node i sees node j where j is i or one of its ancestors."""
+    mask = np.eye(len(parents), dtype=np.bool_)
     for i, p in enumerate(parents):
         if p >= 0:
             mask[i] |= mask[p]

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from eagle_serve.cpu_matmul import CpuLinear, use_cpu_linears
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
 from eagle_serve.paged import PagedKVCache, paged_attention_step
+from kernels import on
 from kernels.sampling import compute_probs
 
 
@@ -234,16 +235,15 @@ class TargetModel:
         """logit_rows: [R] rows of the batch to score; sampling: per row; kv_moves: (src [M],
         dst [M]) slots copied first; ban: tokens masked on some of the R rows -> TargetOutput"""
         if kv_moves is not None:
-            self.cache.move(*(m.to(self.device) for m in kv_moves))
+            self.cache.move(*(on(m, self.device, torch.int64) for m in kv_moves))
         final, features = self.hidden_states(batch)
         logits = self._logits(final[logit_rows])  # [R, V]
         if ban is not None:  # before argmax and sampling, as HF's MinNewTokens processor
-            rows, ids = ban.rows.to(logits.device), ban.token_ids.to(logits.device)
+            rows, ids = (on(t, logits.device, torch.int64) for t in (ban.rows, ban.token_ids))
             logits[rows.unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
-        sampled = sampling.sampled
+        rows = sampling.sampled_indices()
         probs = logits.new_zeros((0, logits.shape[1]), dtype=torch.float32)
-        if bool(sampled.any()):
-            rows = sampled.nonzero().squeeze(1)
+        if rows.numel():
             s = sampling.select(rows)
             probs = compute_probs(logits[rows], s.temperature, s.top_k, s.top_p)
         # argmax of bf16 rows on CPU takes ~160 us per 49k-wide row, of fp32 ~35 us (same result)

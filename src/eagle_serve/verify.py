@@ -19,15 +19,17 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from eagle_serve import staging
 from eagle_serve.interfaces import (RaggedBatch, RowSampling, TargetOutput, TokenBan, ancestor_mask,
                                     tree_depths)
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.lookup import SOURCES
 from eagle_serve.requests import Request
 from eagle_serve.workspace import DraftWorkspace
-from kernels.rejection import (greedy_accept, greedy_tree_accept, random_accept,
+from kernels.rejection import (greedy_accept, greedy_tree_walk, random_accept,
                                random_tree_accept_ref)
 from kernels.sampling import SAMPLE, sample_ref
 
@@ -68,6 +70,8 @@ class VerifyBatch:
     rows: list[VerifyRows]
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None  # (src, dst) slots, applied first
     ban: TokenBan | None              # EOS masked on rows below their request's min_tokens
+    drafts: dict[str, tuple[torch.Tensor, torch.Tensor]]  # per acceptance group (see
+    #                                   _accept_groups): the drafts [N] and their offsets [B+1]
 
 
 @dataclass
@@ -89,16 +93,13 @@ def int_tensor(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def block_tables(tables: list[list[int]], device) -> torch.Tensor:
-    width = max(1, max(len(t) for t in tables))
-    return int_tensor([t + [-1] * (width - len(t)) for t in tables], device)
-
-
-def row_sampling(rows: list[tuple], device) -> RowSampling:
+def sampling_fields(rows: list[tuple]) -> dict[str, np.ndarray]:
+    """(temperature, top_k, top_p, seed) per row -> staging fields (RowSampling.staged reads
+    them back)."""
     temp, top_k, top_p, seeds = zip(*rows) if rows else ((), (), (), ())
-    return RowSampling(torch.tensor(temp, dtype=torch.float32, device=device),
-                       int_tensor(top_k, device), torch.tensor(top_p, dtype=torch.float32, device=device),
-                       int_tensor(seeds, device))
+    return {"temperature": staging.float32(temp), "top_k": staging.int64(top_k),
+            "top_p": staging.float32(top_p), "seeds": staging.int64(seeds),
+            "sampled_rows": staging.int64([i for i, t in enumerate(temp) if t > 0])}
 
 
 def build_verify_batch(reqs: list[Request], pool: PagePool, device,
@@ -106,7 +107,8 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device,
     """A request that was preempted after emitting tokens recomputes all but its last token and
     scores nothing this round. A scored row predicts the token `depth` places past the last
     one (0 for the last real token, a draft's tree depth for a draft); EOS is banned on the
-    rows whose prediction falls below the request's min_tokens."""
+    rows whose prediction falls below the request's min_tokens. Every tensor of the batch
+    (and the drafts acceptance compares) goes to the device in one copy (eagle_serve.staging)."""
     ids, positions, cu, seq_lens, slots, logit_rows, sampling, rows = [], [], [0], [], [], [], [], []
     masks, src, dst, banned = [], [], [], []
     for req in reqs:
@@ -132,30 +134,47 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device,
             src.append(pool.slot(req.target_pages, a))
             dst.append(pool.slot(req.target_pages, b))
         req.kv_moves = []
-    tree_mask = None
+    fields = {"input_ids": staging.int64(ids), "positions": staging.int64(positions),
+              "cu_seqlens": staging.int64(cu), "seq_lens": staging.int64(seq_lens),
+              "block_tables": staging.padded([r.target_pages for r in reqs]),
+              "slot_mapping": staging.int64(slots), "logit_rows": staging.int64(logit_rows),
+              "kv_src": staging.int64(src), "kv_dst": staging.int64(dst),
+              "ban_rows": staging.int64(banned), "ban_ids": staging.int64(eos_token_ids)}
+    fields |= sampling_fields(sampling)
     if any(req.is_tree for req in reqs):
-        tree_mask = _stack_masks([_verify_mask(n, parents) for n, parents in masks]).to(device)
-    t = lambda x: int_tensor(x, device)  # noqa: E731
-    batch = RaggedBatch(t(ids), t(positions), t(cu), t(seq_lens),
-                        block_tables([r.target_pages for r in reqs], device), t(slots),
-                        tree_mask=tree_mask)
-    moves = (t(src), t(dst)) if src else None
-    ban = TokenBan(t(banned), t(list(eos_token_ids))) if banned else None
-    return VerifyBatch(batch, t(logit_rows), row_sampling(sampling, device), rows, moves, ban)
+        fields["tree_mask"] = _stack_masks([_verify_mask(n, parents) for n, parents in masks])
+    groups = _accept_groups(rows)
+    for name, group in groups.items():
+        fields[name + "_drafts"] = staging.int64([d for r in group for d in r.req.drafts])
+        fields[name + "_cu"] = staging.int64(
+            [0] + list(itertools.accumulate(len(r.req.drafts) for r in group)))
+    staged = staging.to_device(fields, device)
+    batch = RaggedBatch.staged(staged, max((b - a for a, b in zip(cu, cu[1:])), default=0))
+    moves = (staged["kv_src"], staged["kv_dst"]) if src else None
+    ban = TokenBan(staged["ban_rows"], staged["ban_ids"]) if banned else None
+    drafts = {name: (staged[name + "_drafts"], staged[name + "_cu"]) for name in groups}
+    return VerifyBatch(batch, staged["logit_rows"], RowSampling.staged(staged), rows, moves, ban, drafts)
 
 
-def _verify_mask(num_real: int, parents: list[int]) -> torch.Tensor:
+def _accept_groups(rows: list[VerifyRows]) -> dict[str, list[VerifyRows]]:
+    """The scored requests by acceptance rule: "matched" (greedy, coupled), "sampled"."""
+    scored = [r for r in rows if r.num_logits]
+    return {"matched": [r for r in scored if r.req.matched],
+            "sampled": [r for r in scored if not r.req.matched]}
+
+
+def _verify_mask(num_real: int, parents: list[int]) -> np.ndarray:
     """[n, n] bool over a request's rows: causal, but a draft sees only its ancestors."""
     n = num_real + len(parents)
-    mask = torch.ones((n, n), dtype=torch.bool).tril()
+    mask = np.tril(np.ones((n, n), dtype=np.bool_))
     mask[num_real:, num_real:] = ancestor_mask(parents)
     return mask
 
 
-def _stack_masks(masks: list[torch.Tensor]) -> torch.Tensor:
+def _stack_masks(masks: list[np.ndarray]) -> np.ndarray:
     """-> [B, W, W], each mask in the top-left corner"""
     width = max(m.shape[0] for m in masks)
-    out = torch.zeros((len(masks), width, width), dtype=torch.bool)
+    out = np.zeros((len(masks), width, width), dtype=np.bool_)
     for b, m in enumerate(masks):
         out[b, :m.shape[0], :m.shape[0]] = m
     return out
@@ -182,35 +201,41 @@ def accept(result: TargetOutput, vb: VerifyBatch, workspace: DraftWorkspace, voc
     verdicts: dict[str, Verdict] = {}
     if greedy:
         reqs = [r for r, _ in greedy]
-        drafts, cu = _flat_drafts(reqs, device)
+        drafts, cu = vb.drafts["matched"]
         argmax = torch.cat([a for _, a in greedy])
-        paths = None
-        if any(r.is_tree for r in reqs):
-            parents = int_tensor([p for r in reqs for p in r.parents], "cpu")
-            out, num, path = greedy_tree_accept(drafts, parents, cu, argmax)
-            paths = [path[i, :num[i] - 1].tolist() for i in range(len(reqs))]
+        if any(r.is_tree for r in reqs):  # a host walk (kernels.rejection.greedy_tree_accept's)
+            walks = greedy_tree_walk([d for r in reqs for d in r.drafts], [p for r in reqs for p in r.parents],
+                                     [0, *itertools.accumulate(len(r.drafts) for r in reqs)],
+                                     argmax.tolist())
+            verdicts |= {r.id: Verdict(*walk) for r, walk in zip(reqs, walks)}
         else:
-            out, num = greedy_accept(drafts, cu, argmax)
-        for i, req in enumerate(reqs):
-            tokens = out[i, :num[i]].tolist()
-            verdicts[req.id] = Verdict(tokens, paths[i] if paths else list(range(len(tokens) - 1)))
+            verdicts |= _verdicts(reqs, *greedy_accept(drafts, cu, argmax))
     if sampled:
         reqs = [r for r, _ in sampled]
-        drafts, cu = _flat_drafts(reqs, device)
+        drafts, cu = vb.drafts["sampled"]
         q = (workspace.load([s for r in reqs for s in r.draft_slots]) if len(drafts)
              else torch.zeros((0, vocab_size), device=device))
         args = (torch.cat([p for _, p in sampled]), q, [r.seed for r in reqs],
                 [len(r.tokens) for r in reqs])
-        paths = None
         if any(r.is_tree for r in reqs):  # lookup branches beside the head's chain
-            parents = int_tensor([p for r in reqs for p in r.parents], "cpu")
-            out, num, path = random_tree_accept_ref(drafts, parents, cu, *args)
-            paths = [path[i, :num[i] - 1].tolist() for i in range(len(reqs))]
+            parents = torch.tensor([p for r in reqs for p in r.parents], dtype=torch.int64)
+            verdicts |= _verdicts(reqs, *random_tree_accept_ref(drafts, parents, cu, *args))
         else:
-            out, num = random_accept(drafts, cu, *args)
-        for i, req in enumerate(reqs):
-            tokens = out[i, :num[i]].tolist()
-            verdicts[req.id] = Verdict(tokens, paths[i] if paths else list(range(len(tokens) - 1)))
+            verdicts |= _verdicts(reqs, *random_accept(drafts, cu, *args))
+    return verdicts
+
+
+def _verdicts(reqs: list[Request], out: torch.Tensor, num: torch.Tensor,
+              path: torch.Tensor | None = None) -> dict[str, Verdict]:
+    """An acceptance's out [B, max_k + 1], num [B] (and path [B, max_k] of a tree) -> verdicts,
+    read to the host in one go (not per request)."""
+    width = out.shape[1]
+    parts = [num.unsqueeze(1), out] + ([path] if path is not None else [])
+    verdicts = {}
+    for req, row in zip(reqs, torch.cat(parts, dim=1).tolist()):  # one read
+        n, tokens = row[0], row[1:1 + row[0]]
+        accepted = row[1 + width:width + n] if path is not None else list(range(n - 1))
+        verdicts[req.id] = Verdict(tokens, accepted)
     return verdicts
 
 
@@ -223,18 +248,12 @@ def coupled_samples(req: Request, probs: torch.Tensor) -> torch.Tensor:
     return sample_ref(probs, [req.seed] * len(positions), positions, SAMPLE)
 
 
-def _flat_drafts(reqs: list[Request], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> every request's drafts in one [N] tensor, and their offsets [B+1]"""
-    cu = int_tensor([0] + list(itertools.accumulate(len(r.drafts) for r in reqs)), device)
-    return int_tensor([d for r in reqs for d in r.drafts], device), cu
-
-
 def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict], pool: PagePool,
             workspace: DraftWorkspace, stats: EngineStats,
             eos_token_ids: tuple[int, ...]) -> list[DraftWork]:
     """Append accepted tokens, roll back KV and update the counters. -> drafter work of the
     speculative requests that go on."""
-    work = []
+    going, rows = [], []
     for r in vb.rows:
         req = r.req
         verdict = verdicts.get(req.id)
@@ -251,10 +270,14 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
         keep = max([req.num_computed] + [a + 1 for a, _ in req.kv_moves])
         pool.shrink(req.target_pages, keep)
         if req.k and not req.finish_reason:
-            rows = list(range(r.first_row, r.first_row + r.num_real))
-            rows += [r.first_row + r.num_real + i for i in path]
-            work.append(DraftWork(req, result.hidden[int_tensor(rows, result.hidden.device)]))
-    return work
+            rows.append(list(range(r.first_row, r.first_row + r.num_real))
+                        + [r.first_row + r.num_real + i for i in path])
+            going.append(req)
+    if not going:
+        return []
+    index = int_tensor([i for per_req in rows for i in per_req], result.hidden.device)  # one copy
+    features = result.hidden.index_select(0, index).split([len(x) for x in rows])
+    return [DraftWork(req, f) for req, f in zip(going, features)]
 
 
 def _count_round(req: Request, path: list[int], stats: EngineStats) -> None:

@@ -70,7 +70,7 @@ def rows(pool: PagePool, tables: list[list[int]], new: list[list[int]], starts: 
         q = max(len(n) for n in new)
         mask = torch.zeros(len(new), q, q, dtype=torch.bool)
         for b, p in enumerate(parents):
-            mask[b, :len(p), :len(p)] = ancestor_mask(p)
+            mask[b, :len(p), :len(p)] = torch.from_numpy(ancestor_mask(p))
     return RaggedBatch(torch.tensor([x for n in new for x in n]), torch.tensor(positions), torch.tensor(cu),
                        torch.tensor([s + len(n) for n, s in zip(new, starts)]),
                        torch.tensor([t + [-1] * (width - len(t)) for t in tables]), torch.tensor(slots),

@@ -58,13 +58,6 @@ def recorder():
         kernel.pre_run_hooks.remove(hook)
 
 
-@pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    """Every dispatcher runs its Triton kernel, on CPU tensors too (impl "ref" still the ref)."""
-    for module in (paged_attention, rejection, sampling, workspace):
-        monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
-
-
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory):
     """A GQA tiny Llama (group 2) with a 4096-token vocabulary and an EAGLE-3 head drafting
