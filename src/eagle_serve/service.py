@@ -296,6 +296,11 @@ class SpecDecodeService:
         entry = self.open.pop(out.request_id, None) if out.finished else self.open.get(out.request_id)
         if entry is None:
             return
+        if out.finished and self.metrics:  # before FINAL: a client that saw it reads settled counters
+            if out.error:
+                self.metrics.observe_finished("error")
+            else:
+                self.metrics.observe_finished(out.finish_reason, time.perf_counter() - entry.arrival)
         try:
             if out.error:
                 entry.out.fail(out.error, out.error_code or "INTERNAL")
@@ -304,10 +309,6 @@ class SpecDecodeService:
         finally:
             if out.finished:
                 entry.out.close()  # FINAL exactly once, whatever happened above
-                if self.metrics and out.error:
-                    self.metrics.observe_finished("error")
-                elif self.metrics:
-                    self.metrics.observe_finished(out.finish_reason, time.perf_counter() - entry.arrival)
 
     def _send_tokens(self, entry: _Open, out: RequestOutput) -> None:
         now = time.perf_counter()
