@@ -100,10 +100,8 @@ def _caller() -> str:
 @contextlib.contextmanager
 def kernel_launches_not_counted():
     """While active, nothing inside a Triton kernel launch is counted (see the module doc)."""
-    from triton.runtime import jit
-
-    original = jit.JITFunction.run if hasattr(jit, "JITFunction") else None
-    interpreted = _interpreter_run()
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     def quiet(run):
         def wrapped(*args, **kwargs):
@@ -114,22 +112,14 @@ def kernel_launches_not_counted():
                 _launching.depth -= 1
         return wrapped
 
-    patched = [(cls, run) for cls, run in ((jit.JITFunction, original), interpreted) if run]
-    for cls, run in patched:
+    originals = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
+    for cls, run in originals:
         cls.run = quiet(run)
     try:
         yield
     finally:
-        for cls, run in patched:
+        for cls, run in originals:
             cls.run = run
-
-
-def _interpreter_run():
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - every supported triton has it
-        return None, None
-    return InterpretedFunction, InterpretedFunction.run
 
 
 @contextlib.contextmanager
