@@ -75,7 +75,7 @@ def i64(values) -> np.ndarray:
 
 def hostile_inputs(model: str, feature_size: int) -> list:
     """A complete, well-formed call that would overwrite KV slots 0..7 (the first page, which
-    the running requests hold) with garbage."""
+    the running requests hold) with garbage. Tiny servers run float64: features are FP64."""
     t = [tensor("input_ids", i64(range(100, 108)), "INT64"),
          tensor("positions", i64(range(8)), "INT64"),
          tensor("cu_seqlens", i64([0, 8]), "INT64"), tensor("seq_lens", i64([8]), "INT64"),
@@ -84,7 +84,7 @@ def hostile_inputs(model: str, feature_size: int) -> list:
          tensor("top_p", np.ones(1, np.float32), "FP32"), tensor("seeds", i64([0]), "INT64")]
     if model == "eagle_target":
         return t + [tensor("logit_rows", i64([7]), "INT64")]
-    return t + [tensor("features", np.ones((8, feature_size), np.float32) * 50, "FP32"),
+    return t + [tensor("features", np.ones((8, feature_size)) * 50, "FP64"),
                 tensor("num_drafts", i64([2]), "INT64"), tensor("draft_topk", i64([1]), "INT64"),
                 tensor("draft_depth", i64([2]), "INT64"),
                 tensor("draft_min_prob", np.zeros(1, np.float32), "FP32"),

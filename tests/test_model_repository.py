@@ -92,3 +92,40 @@ def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
     assert ServingSettings(dtype="float64").torch_dtype(on_gpu=False) == torch.float64
     with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
         ServingSettings(dtype="float64").torch_dtype(on_gpu=True)
+
+
+def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
+    """What tritonserver's auto-complete step makes of a model config: the model's own
+    auto_complete_config applied through the python backend's real ModelConfig class."""
+    import importlib.util
+    import json
+
+    from google.protobuf import json_format
+
+    utils = paths.tritonserver_dir() / "backends" / "python" / "triton_python_backend_utils.py"
+    spec = importlib.util.spec_from_file_location("pb_utils_for_test", utils)
+    pb_utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb_utils)
+    config = json_format.MessageToDict(parse(repo / model / config_file),
+                                       preserving_proto_field_name=True)
+    from eagle_serve.workers import declare_features
+    direction, name = ("output", "hidden") if model == "eagle_target" else ("input", "features")
+    auto = declare_features(pb_utils.ModelConfig(json.dumps(config)), direction, name,
+                            str(repo / model / "1" / "model.py"))
+    return {t["name"]: t["data_type"] for t in auto.as_dict()[direction]}
+
+
+def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_drafter(tmp_path):
+    from eagle_serve.cpu_matmul import native_bf16
+    from eagle_serve.repo_config import copy_repository
+
+    cpu_auto = "TYPE_BF16" if native_bf16() else "TYPE_FP32"
+    for config_file, want in (("config.pbtxt", cpu_auto), ("configs/gpu.pbtxt", "TYPE_BF16")):
+        assert auto_complete("eagle_target", config_file)["hidden"] == want
+        assert auto_complete("eagle_drafter", config_file)["features"] == want
+    repo = copy_repository(REPO, tmp_path / "repo", ["spec_decode", "eagle_target", "eagle_drafter"],
+                           {"spec_decode": {"dtype": "float64"}})
+    assert auto_complete("eagle_target", "config.pbtxt", repo)["hidden"] == "TYPE_FP64"
+    assert auto_complete("eagle_drafter", "config.pbtxt", repo)["features"] == "TYPE_FP64"
+    with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
+        auto_complete("eagle_drafter", "configs/gpu.pbtxt", repo)

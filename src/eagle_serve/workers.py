@@ -6,6 +6,12 @@ drawn at start-up goes out with every response so spec_decode can tell a restart
 A request without the server's internal key is refused before any tensor is read: only
 spec_decode may call the workers (see eagle_serve.internal_key).
 
+The features (the target's hidden states that feed the head) cross BLS in the model dtype, with
+no conversion on either side. That dtype is chosen at start-up (`dtype: auto` picks bfloat16 on a
+GPU or a CPU that computes it natively, else float32), so the two configs leave the tensor out and
+each model's `auto_complete_config` declares it (`declare_features`), from the same settings:
+the target's output `hidden` and the drafter's input `features` always agree.
+
 Test hook: a worker whose config has the parameter `test_hang_file` stalls every call while that
 file exists (the tests' way to make a model process hang).
 """
@@ -31,6 +37,28 @@ def log_warmup(role: str, report) -> None:
     if report is not None:
         print(f"{role}: kernels compiled for every launch shape ({report.launches} launches, "
               f"{report.seconds:.1f} s)", flush=True)
+
+
+TRITON_TYPES = {torch.bfloat16: "TYPE_BF16", torch.float16: "TYPE_FP16",
+                torch.float32: "TYPE_FP32", torch.float64: "TYPE_FP64"}
+
+
+def feature_type(model_config: dict, repo: Path) -> str:
+    """The Triton type of the features for a model of `repo` with this config: its settings'
+    dtype on the config's instance kind."""
+    on_gpu = any(g.get("kind") == "KIND_GPU" for g in model_config.get("instance_group", []))
+    return TRITON_TYPES[read_settings(repo).torch_dtype(on_gpu)]
+
+
+def declare_features(auto_config, direction: str, name: str, model_file: str):
+    """auto_complete_config of eagle_target (output `hidden`) and eagle_drafter (input
+    `features`): declares the [-1, -1] features tensor in the model dtype. `model_file` is the
+    model.py (<repo>/<model>/1/model.py), which locates the repository."""
+    repo = Path(model_file).resolve().parents[2]
+    tensor = {"name": name, "data_type": feature_type(auto_config.as_dict(), repo),
+              "dims": [-1, -1]}
+    (auto_config.add_output if direction == "output" else auto_config.add_input)(tensor)
+    return auto_config
 
 
 def instance_device(args: dict) -> torch.device:
@@ -92,7 +120,7 @@ class TargetWorker(_Worker):
         moves = optional_pair(pb, request, ("kv_move_src", "kv_move_dst"), self.device)
         out = self.model.forward(batch, rows, sampling, kv_moves=moves,
                                  ban=ban_from_request(pb, request, self.device))
-        return response_tensors(pb, {"hidden": out.hidden.float(), "argmax": out.argmax,
+        return response_tensors(pb, {"hidden": out.hidden, "argmax": out.argmax,
                                      "probs": out.probs.float()}, self.epoch)
 
 

@@ -2,10 +2,14 @@
 import triton_python_backend_utils as pb_utils
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.workers import DrafterWorker
+from eagle_serve.workers import DrafterWorker, declare_features
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_config):
+        return declare_features(auto_config, "input", "features", __file__)
+
     def initialize(self, args):
         self.worker = DrafterWorker(args)
 

@@ -2,10 +2,14 @@
 import triton_python_backend_utils as pb_utils
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.workers import TargetWorker
+from eagle_serve.workers import TargetWorker, declare_features
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_config):
+        return declare_features(auto_config, "output", "hidden", __file__)
+
     def initialize(self, args):
         self.worker = TargetWorker(args)
 
