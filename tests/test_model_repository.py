@@ -94,9 +94,10 @@ def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
         ServingSettings(dtype="float64").torch_dtype(on_gpu=True)
 
 
-def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
-    """What tritonserver's auto-complete step makes of a model config: the model's own
-    auto_complete_config applied through the python backend's real ModelConfig class."""
+def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
+    """What tritonserver's auto-complete step makes of a model config (as the JSON dict a model
+    gets): the model's own auto_complete_config applied through the python backend's real
+    ModelConfig class."""
     import importlib.util
     import json
 
@@ -110,9 +111,14 @@ def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
                                        preserving_proto_field_name=True)
     from eagle_serve.workers import declare_features
     direction, name = ("output", "hidden") if model == "eagle_target" else ("input", "features")
-    auto = declare_features(pb_utils.ModelConfig(json.dumps(config)), direction, name,
-                            str(repo / model / "1" / "model.py"))
-    return {t["name"]: t["data_type"] for t in auto.as_dict()[direction]}
+    return declare_features(pb_utils.ModelConfig(json.dumps(config)), direction, name,
+                            str(repo / model / "1" / "model.py")).as_dict()
+
+
+def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
+    """-> {name: data_type} of the features side (target outputs, drafter inputs)"""
+    direction = "output" if model == "eagle_target" else "input"
+    return {t["name"]: t["data_type"] for t in auto_completed(model, config_file, repo)[direction]}
 
 
 def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_drafter(tmp_path):
@@ -129,3 +135,17 @@ def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_
     assert auto_complete("eagle_drafter", "config.pbtxt", repo)["features"] == "TYPE_FP64"
     with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
         auto_complete("eagle_drafter", "configs/gpu.pbtxt", repo)
+
+
+def test_a_worker_refuses_to_load_without_the_features_its_auto_complete_declares():
+    from google.protobuf import json_format
+
+    from eagle_serve.workers import require_features
+
+    for model, direction, name in (("eagle_target", "output", "hidden"),
+                                   ("eagle_drafter", "input", "features")):
+        require_features(auto_completed(model, "config.pbtxt"), direction, name, REPO)
+        as_written = json_format.MessageToDict(parse(REPO / model / "config.pbtxt"),
+                                               preserving_proto_field_name=True)
+        with pytest.raises(ValueError, match="--disable-auto-complete-config"):
+            require_features(as_written, direction, name, REPO)

@@ -67,8 +67,21 @@ def instance_device(args: dict) -> torch.device:
     return torch.device("cpu")
 
 
+def require_features(model_config: dict, direction: str, name: str, repo: Path) -> None:
+    """Refuse to load when the features tensor is missing or of another type than
+    `declare_features` gives (e.g. tritonserver ran with --disable-auto-complete-config)."""
+    declared = {t["name"]: t.get("data_type") for t in model_config.get(direction, [])}
+    want = feature_type(model_config, repo)
+    if declared.get(name) != want:
+        raise ValueError(
+            f"{model_config.get('name')}: {direction} '{name}' must be declared {want} (the model "
+            f"dtype), found {declared.get(name)}; model.py declares it when tritonserver "
+            f"auto-completes configs: do not pass --disable-auto-complete-config")
+
+
 class _Worker:
     role = ""
+    features: tuple[str, str] = ("", "")  # (direction, name) of the features tensor
 
     def __init__(self, args: dict):
         config = json.loads(args["model_config"])
@@ -78,6 +91,7 @@ class _Worker:
         hang = tu.model_parameters(config).get("test_hang_file")
         self.hang_file = Path(hang) if hang else None
         self.repo = tu.repository_dir(args)
+        require_features(config, *self.features, self.repo)
         self.settings = read_settings(self.repo)
         self.device = instance_device(args)
         self.dtype = self.settings.torch_dtype(self.device.type == "cuda")
@@ -99,6 +113,8 @@ class _Worker:
 
 class TargetWorker(_Worker):
     role = "target"
+    features = ("output", "hidden")
+
     def __init__(self, args: dict):
         super().__init__(args)
         from eagle_serve.checkpoints import load_head
@@ -126,6 +142,8 @@ class TargetWorker(_Worker):
 
 class DrafterWorker(_Worker):
     role = "drafter"
+    features = ("input", "features")
+
     def __init__(self, args: dict):
         super().__init__(args)
         from eagle_serve.checkpoints import load_drafter
