@@ -6,8 +6,9 @@
 `sampled_verify` is a server setting, so one server cannot interleave the two; two in-process
 engines on the default model (the served settings, one per mode) can. Each prompt runs through
 every config in turn, seeded (seed = 1000 + prompt index) at --temperature: plain sampling
-(k = 0), the shipped rejection-sampled chains, coupled chains of the same length, and a coupled
-2x2 tree (k = 4). Prints tokens/s, the speedup over plain sampling and tau per config, and how
+(k = 0), the shipped rejection-sampled chains, coupled chains of the same length, a coupled
+2x2 tree keeping 4 drafts, and coupled requests as served (a 2x2 tree, all 6 of its drafts).
+Prints tokens/s, the speedup over plain sampling and tau per config, and how
 many coupled outputs equal plain sampling's (all of them, by construction).
 """
 from __future__ import annotations
@@ -27,8 +28,9 @@ from eagle_serve.tokenization import encode_prompt
 CONFIGS = {  # name: (sampled_verify, request parameters)
     "plain": ("rejection", dict(num_speculative_tokens=0)),
     "rejection": ("rejection", {}),
-    "coupled": ("coupled", {}),
-    "coupled 2x2 tree": ("coupled", dict(num_speculative_tokens=4, draft_topk=2, draft_depth=2)),
+    "coupled chains": ("coupled", dict(draft_topk=1, draft_depth=2)),
+    "coupled 2x2 tree, k 4": ("coupled", dict(num_speculative_tokens=4)),
+    "coupled (2x2 tree, k 6)": ("coupled", {}),
 }
 
 
@@ -67,7 +69,7 @@ def main(argv=None) -> None:
         rate = t["tokens"] / t["seconds"]
         rows[name] = dict(tokens_per_s=rate, speedup=rate / base,
                           tau=acceptance_length(t["accepted"], t["rounds"]), same_as_plain=t["same"])
-        print(f"{name:>17}: {rate:6.2f} tokens/s  {rate / base:5.2f}x  tau {rows[name]['tau']:.2f}  "
+        print(f"{name:>24}: {rate:6.2f} tokens/s  {rate / base:5.2f}x  tau {rows[name]['tau']:.2f}  "
               f"output = plain sampling's: {t['same']}/{len(prompts)}")
     Path(args.json).write_text(json.dumps(dict(vars(args), results=rows), indent=1))
     if args.plot:
@@ -80,7 +82,7 @@ def plot(rows: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(9, 3.5))
     names = list(rows)
     bars = ax.bar(names, [rows[n]["speedup"] for n in names], color="tab:blue")
     for bar, n in zip(bars, names):
@@ -88,6 +90,7 @@ def plot(rows: dict, path: Path, title: str) -> None:
                     ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel("speedup over plain sampling")
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -219,12 +219,13 @@ def test_tree_requests_through_the_server_equal_plain_greedy(triton_server, tiny
 
 def test_a_coupled_server_gives_seeded_sampled_requests_plain_samplings_tokens(triton_server,
                                                                               tiny_models):
-    """sampled_verify=coupled: seeded requests drafting chains and trees, alone and batched,
+    """sampled_verify=coupled: seeded requests drafting chains (draft_topk 1) and the default
+    coupled trees (coupled_draft_topk x sampled_draft_depth), alone and batched,
     give the tokens the same request gets with k = 0 (the drafter is told which rows are
     coupled over BLS, and sends no probabilities for them)."""
     server = tiny_server(triton_server, tiny_models, "eagle3", "tiny64-coupled",
                          sampled_verify="coupled")
-    shapes = [dict(num_speculative_tokens=3), dict(num_speculative_tokens=4, draft_topk=2, draft_depth=2)]
+    shapes = [dict(num_speculative_tokens=3, draft_topk=1), dict(num_speculative_tokens=4)]
     jobs = [(PROMPTS[i], dict(max_tokens=14, temperature=0.9, top_p=0.95, seed=40 + i,
                               ignore_eos=True, stream=True)) for i in range(4)]
     plain = [grpc_generate(server.grpc_url, p, num_speculative_tokens=0, **kw) for p, kw in jobs]

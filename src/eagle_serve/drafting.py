@@ -1,7 +1,8 @@
 """The draft policy and the drafter call: what each request drafts each round.
 
 `DraftPolicy` is the one home of the rules: a request's tree shape (draft_topk x draft_depth,
-k nodes; sampled requests and k = 0 draft chains), what a round may draft (depth clamped to the
+k nodes; rejection-sampled requests and k = 0 draft chains, coupled ones coupled_draft_topk
+wide trees), what a round may draft (depth clamped to the
 tokens the request may still emit; a chain of the tree's depth when more than `max_tree_batch`
 requests run), the confidence limits on greedy drafts, and the model-free sources: a greedy
 request's tree also gets the continuations looked up in its own tokens and in the corpus of the
@@ -84,13 +85,16 @@ class DraftPolicy:
         """-> (topk, depth) of a request's drafts: depth <= k; sampled requests draft chains of
         sampled_draft_depth from the head (a head tree would need several draws per node;
         deeper chains of a weak head cost more drafter steps than they win), beside their
-        lookup branches; a coupled one that sets draft_topk drafts that tree (its drafts are
-        guesses at one token, as a greedy request's are)."""
+        lookup branches; a coupled one drafts a tree (its drafts are guesses at one token, as a
+        greedy request's are) of coupled_draft_topk x sampled_draft_depth, or of its own
+        draft_topk x draft_depth."""
         cfg = self.config
         if k == 0:
             return 1, 0
-        if params.temperature > 0 and not (coupled and params.draft_topk is not None):
+        if params.temperature > 0 and not coupled:
             return 1, min(params.draft_depth or cfg.sampled_draft_depth, k)
+        if params.temperature > 0 and params.draft_topk is None:
+            return cfg.coupled_draft_topk, min(params.draft_depth or cfg.sampled_draft_depth, k)
         topk = cfg.draft_topk if params.draft_topk is None else params.draft_topk
         depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
         return topk, min(depth or k, k)

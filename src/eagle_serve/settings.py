@@ -89,7 +89,10 @@ class ServingSettings:
     #                                            (rejection sampling of drafts drawn from q) or
     #                                            "coupled" (drafts are the drafter's guesses at
     #                                            the target's own seeded sample, kept while they
-    #                                            equal it; a request's draft_topk gives a tree)
+    #                                            equal it; they draft trees, below)
+    coupled_draft_topk: int = 2                # children per node of a coupled request's tree
+    #                                            (depth sampled_draft_depth; 1 = chains; a
+    #                                            request's draft_topk overrides it)
     lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
     #                                            corpus-index.npz if it has one; "none" = off
     max_input_bytes: int = 65536               # text_input limit on the direct path
@@ -186,6 +189,7 @@ class EngineConfig:
     lookup_tokens: int
     sampled_lookup_tokens: int
     sampled_verify: str
+    coupled_draft_topk: int
     max_stop_strings: int
     max_stop_bytes: int
     request_timeout_s: float
@@ -213,6 +217,9 @@ class EngineConfig:
         for name in ("max_draft_batch", "max_sampled_draft_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if not 1 <= self.coupled_draft_topk <= self.max_draft_topk:
+            raise ValueError(f"coupled_draft_topk must be in [1, {self.max_draft_topk}], "
+                             f"got {self.coupled_draft_topk}")
         if not 1 <= self.sampled_draft_depth <= self.max_draft_depth:
             raise ValueError(f"sampled_draft_depth must be in [1, {self.max_draft_depth}], "
                              f"got {self.sampled_draft_depth}")

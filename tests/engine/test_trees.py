@@ -432,3 +432,21 @@ def test_the_served_policy_drafts_sampled_requests_as_short_chains_unless_they_a
     assert policy.request_shape(SamplingParams(**sampled), 1) == (1, 1)
     assert policy.request_shape(SamplingParams(), 8) == (4, 3)
     assert policy.request_shape(SamplingParams(), 0) == (1, 0)
+
+
+def test_coupled_sampled_requests_draft_a_two_wide_tree_unless_they_ask_otherwise():
+    from eagle_serve.drafting import DraftPolicy
+    from eagle_serve.settings import EngineConfig
+
+    policy = DraftPolicy(EngineConfig.served())
+    sampled = dict(temperature=0.7)
+    assert policy.request_shape(SamplingParams(**sampled), 8, coupled=True) == (2, 2)
+    assert policy.request_shape(SamplingParams(**sampled), 1, coupled=True) == (2, 1)
+    assert policy.request_shape(SamplingParams(**sampled, draft_depth=3), 8, coupled=True) == (2, 3)
+    assert policy.request_shape(SamplingParams(**sampled, draft_topk=1), 8, coupled=True) == (1, 3)
+    assert policy.request_shape(SamplingParams(**sampled, draft_topk=3, draft_depth=2), 8,
+                                coupled=True) == (3, 2)
+    chains = DraftPolicy(EngineConfig.served(coupled_draft_topk=1))
+    assert chains.request_shape(SamplingParams(**sampled), 8, coupled=True) == (1, 2)
+    with pytest.raises(ValueError, match="coupled_draft_topk must be in"):
+        EngineConfig.served(coupled_draft_topk=0).validate()
