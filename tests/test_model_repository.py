@@ -109,10 +109,10 @@ def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
     spec.loader.exec_module(pb_utils)
     config = json_format.MessageToDict(parse(repo / model / config_file),
                                        preserving_proto_field_name=True)
-    from eagle_serve.workers import declare_features
-    direction, name = ("output", "hidden") if model == "eagle_target" else ("input", "features")
-    return declare_features(pb_utils.ModelConfig(json.dumps(config)), direction, name,
-                            str(repo / model / "1" / "model.py")).as_dict()
+    from eagle_serve.workers import DrafterWorker, TargetWorker
+    worker = TargetWorker if model == "eagle_target" else DrafterWorker
+    return worker.auto_complete_config(pb_utils.ModelConfig(json.dumps(config)),
+                                       str(repo / model / "1" / "model.py")).as_dict()
 
 
 def auto_complete(model: str, config_file: str, repo=REPO) -> dict:

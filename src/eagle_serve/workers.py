@@ -83,6 +83,11 @@ class _Worker:
     role = ""
     features: tuple[str, str] = ("", "")  # (direction, name) of the features tensor
 
+    @classmethod
+    def auto_complete_config(cls, auto_config, model_file: str):
+        """The model's auto_complete_config: declares its features tensor (declare_features)."""
+        return declare_features(auto_config, *cls.features, model_file)
+
     def __init__(self, args: dict):
         config = json.loads(args["model_config"])
         tu.require_single_instance(config)

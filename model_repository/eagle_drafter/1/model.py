@@ -2,13 +2,13 @@
 import triton_python_backend_utils as pb_utils
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.workers import DrafterWorker, declare_features
+from eagle_serve.workers import DrafterWorker
 
 
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_config):
-        return declare_features(auto_config, "input", "features", __file__)
+        return DrafterWorker.auto_complete_config(auto_config, __file__)
 
     def initialize(self, args):
         self.worker = DrafterWorker(args)

@@ -2,13 +2,13 @@
 import triton_python_backend_utils as pb_utils
 
 from eagle_serve import triton_utils as tu
-from eagle_serve.workers import TargetWorker, declare_features
+from eagle_serve.workers import TargetWorker
 
 
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_config):
-        return declare_features(auto_config, "output", "hidden", __file__)
+        return TargetWorker.auto_complete_config(auto_config, __file__)
 
     def initialize(self, args):
         self.worker = TargetWorker(args)
