@@ -15,6 +15,12 @@ def parse(path):
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
+def as_dict(path) -> dict:
+    """A config file as the JSON dict Triton hands a model."""
+    from google.protobuf import json_format
+    return json_format.MessageToDict(parse(path), preserving_proto_field_name=True)
+
+
 def test_the_gpu_config_of_each_model_differs_only_in_instance_kind_and_input_placement():
     for model in ("eagle_target", "eagle_drafter", "spec_decode"):
         cpu, gpu = parse(REPO / model / "config.pbtxt"), parse(REPO / model / "configs" / "gpu.pbtxt")
@@ -101,14 +107,11 @@ def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
     import importlib.util
     import json
 
-    from google.protobuf import json_format
-
     utils = paths.tritonserver_dir() / "backends" / "python" / "triton_python_backend_utils.py"
     spec = importlib.util.spec_from_file_location("pb_utils_for_test", utils)
     pb_utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pb_utils)
-    config = json_format.MessageToDict(parse(repo / model / config_file),
-                                       preserving_proto_field_name=True)
+    config = as_dict(repo / model / config_file)
     from eagle_serve.workers import DrafterWorker, TargetWorker
     worker = TargetWorker if model == "eagle_target" else DrafterWorker
     return worker.auto_complete_config(pb_utils.ModelConfig(json.dumps(config)),
@@ -138,14 +141,11 @@ def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_
 
 
 def test_a_worker_refuses_to_load_without_the_features_its_auto_complete_declares():
-    from google.protobuf import json_format
-
     from eagle_serve.workers import require_features
 
+    dtype = read_settings(REPO).torch_dtype(on_gpu=False)  # what a CPU worker runs
     for model, direction, name in (("eagle_target", "output", "hidden"),
                                    ("eagle_drafter", "input", "features")):
-        require_features(auto_completed(model, "config.pbtxt"), direction, name, REPO)
-        as_written = json_format.MessageToDict(parse(REPO / model / "config.pbtxt"),
-                                               preserving_proto_field_name=True)
+        require_features(auto_completed(model, "config.pbtxt"), direction, name, dtype)
         with pytest.raises(ValueError, match="--disable-auto-complete-config"):
-            require_features(as_written, direction, name, REPO)
+            require_features(as_dict(REPO / model / "config.pbtxt"), direction, name, dtype)

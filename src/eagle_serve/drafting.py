@@ -91,10 +91,9 @@ class DraftPolicy:
         cfg = self.config
         if k == 0:
             return 1, 0
-        if params.temperature > 0 and not coupled:
-            return 1, min(params.draft_depth or cfg.sampled_draft_depth, k)
-        if params.temperature > 0 and params.draft_topk is None:
-            return cfg.coupled_draft_topk, min(params.draft_depth or cfg.sampled_draft_depth, k)
+        if params.temperature > 0 and not (coupled and params.draft_topk is not None):
+            topk = cfg.coupled_draft_topk if coupled else 1
+            return topk, min(params.draft_depth or cfg.sampled_draft_depth, k)
         topk = cfg.draft_topk if params.draft_topk is None else params.draft_topk
         depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
         return topk, min(depth or k, k)

@@ -67,11 +67,11 @@ def instance_device(args: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def require_features(model_config: dict, direction: str, name: str, repo: Path) -> None:
-    """Refuse to load when the features tensor is missing or of another type than
-    `declare_features` gives (e.g. tritonserver ran with --disable-auto-complete-config)."""
+def require_features(model_config: dict, direction: str, name: str, dtype: torch.dtype) -> None:
+    """Refuse to load when the features tensor is missing or not of the worker's `dtype`, the
+    type `declare_features` gives (e.g. tritonserver ran with --disable-auto-complete-config)."""
     declared = {t["name"]: t.get("data_type") for t in model_config.get(direction, [])}
-    want = feature_type(model_config, repo)
+    want = TRITON_TYPES[dtype]
     if declared.get(name) != want:
         raise ValueError(
             f"{model_config.get('name')}: {direction} '{name}' must be declared {want} (the model "
@@ -96,10 +96,10 @@ class _Worker:
         hang = tu.model_parameters(config).get("test_hang_file")
         self.hang_file = Path(hang) if hang else None
         self.repo = tu.repository_dir(args)
-        require_features(config, *self.features, self.repo)
         self.settings = read_settings(self.repo)
         self.device = instance_device(args)
         self.dtype = self.settings.torch_dtype(self.device.type == "cuda")
+        require_features(config, *self.features, self.dtype)
         self.target_dir, self.drafter_dir = self.settings.model_dirs(self.repo)
         self.epoch = random.getrandbits(62)
         if self.device.type == "cpu":
