@@ -3,10 +3,12 @@
     python clients/forward_bench.py
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
-16 rows (torch's nn.Linear vs CpuLinear, fp32 and, where oneDNN runs it, bf16; CpuLinear packed),
+16 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel where this CPU
+has AVX2, and its bf16 where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (bf16 on CPUs with native bf16,
 else fp32) for 1 to 16 new tokens of one request at context 200, its linears reading oneDNN's
-packed weights or the dense ones (interleaved). docs/performance.md quotes it.
+packed weights or the dense ones, or running the fp32 row kernel (interleaved).
+docs/performance.md quotes it.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from eagle_serve import paths
-from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
+from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16, row_kernel
 from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from forward_profile import decode_batch  # this script's folder is on sys.path
@@ -28,11 +30,15 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
     shapes = [(hidden, hidden), (hidden // 3, hidden), (hidden // 3, hidden), (hidden, hidden),
               (inter, hidden), (inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
     plain = [nn.Linear(i, o, bias=False) for o, i in shapes]
-    ours = [CpuLinear(m) for m in plain]
+    onednn, kernel = [CpuLinear(m) for m in plain], [CpuLinear(m) for m in plain]
+    for m in onednn:
+        m.rows = False
     ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
-    configs = [(plain, torch.float32), (ours, torch.float32)]
+    configs = [(plain, torch.float32), (onednn, torch.float32)]
+    configs += [(kernel, torch.float32)] if row_kernel() else []
     configs += [(ours_bf16, torch.bfloat16)] if onednn_bf16() else []
-    print("rows  nn.Linear ms  CpuLinear ms" + ("  CpuLinear bf16 ms" if onednn_bf16() else ""))
+    print("rows  nn.Linear ms  oneDNN fp32 ms" + ("  row kernel fp32 ms" if row_kernel() else "")
+          + ("  oneDNN bf16 ms" if onednn_bf16() else ""))
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 8, 16):
             times = []
@@ -50,19 +56,26 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
 
 def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:
     """Median time of the default target's forward (+ LM head, `auto` dtype) for `rows` new
-    tokens of one request at `context`, its linears reading oneDNN's packed weights or the dense
-    ones (interleaved)."""
+    tokens of one request at `context`, its linears reading oneDNN's packed weights, the dense
+    ones, or (fp32 with AVX2) running the row kernel (interleaved)."""
     dtype = torch_dtype("auto")
     model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
+    every = [m for m in model.hf.modules() if isinstance(m, CpuLinear)]
+    kernel = [m.rows for m in every]
+    for m in every:
+        m.rows = False
     model.logits(decode_batch(1, context), torch.arange(1))  # packs every linear it runs
-    linears = [m for m in model.hf.modules() if isinstance(m, CpuLinear) and m._packed is not None]
+    linears = [m for m in every if m._packed is not None]
     weights = {"dense": [m.weight.detach() for m in linears], "packed": [m._packed for m in linears]}
+    names = list(weights) + (["row kernel"] if any(kernel) else [])
     times: dict = {}
     for _ in range(repeats):
         for rows in rows_list:
             batch = decode_batch(rows, context)
-            for name in ("dense", "packed"):
-                for m, w in zip(linears, weights[name]):
+            for name in names:
+                for m, on in zip(every, kernel):
+                    m.rows = on and name == "row kernel"
+                for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
                 model.logits(batch, torch.arange(rows))
@@ -70,7 +83,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
     for rows in rows_list:
         cells = []
-        for name in ("dense", "packed"):
+        for name in names:
             t = sorted(times[(rows, name)])[repeats // 2] * 1e3
             t1 = sorted(times[(1, name)])[repeats // 2] * 1e3
             cells.append(f"{name} {t:6.1f} ({t / t1:.2f}x)")

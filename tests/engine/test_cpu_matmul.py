@@ -1,4 +1,4 @@
-"""CPU linears (oneDNN inner products on dense tensors) compute what nn.Linear computes."""
+"""CPU linears (oneDNN inner products, the fp32 row kernel) compute what nn.Linear computes."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from eagle_serve.checkpoints import load_drafter
-from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
+from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16, row_kernel
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel, fuse_linears
@@ -15,21 +15,48 @@ from eagle_serve.target import TargetModel, fuse_linears
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_cpu_linear_matches_nn_linear_for_zero_to_nine_rows(dtype, tol, bias):
+@pytest.mark.parametrize("width", [24, 20])  # fp32: the row kernel takes 24 (a multiple of 8), oneDNN 20
+def test_a_cpu_linear_matches_nn_linear_for_zero_to_nine_rows(dtype, tol, bias, width):
     torch.manual_seed(0)
-    linear = nn.Linear(24, 40, bias=bias).to(dtype)
+    linear = nn.Linear(width, 40, bias=bias).to(dtype)
     ours = CpuLinear(linear)
     with torch.inference_mode():
         for rows in range(0, 10):
-            x = torch.randn(rows, 24, dtype=dtype)
+            x = torch.randn(rows, width, dtype=dtype)
             out = ours(x)
             assert out.shape == (rows, 40) and out.dtype == dtype
             torch.testing.assert_close(out, linear(x), rtol=tol, atol=tol)
-        x = torch.randn(2, 3, 24, dtype=dtype)  # leading dims are kept
+        x = torch.randn(2, 3, width, dtype=dtype)  # leading dims are kept
         torch.testing.assert_close(ours(x), linear(x), rtol=tol, atol=tol)
     assert torch.equal(ours.weight, linear.weight)
     assert ours.onednn == (dtype == torch.float32)
+    assert ours.rows == (dtype == torch.float32 and width == 24 and row_kernel() is not None)
     assert ours.weight.data_ptr() == linear.weight.data_ptr()  # no copy
+
+
+@pytest.mark.skipif(row_kernel() is None, reason="the fp32 row kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("width,parts", [(576, (576, 192, 192)), (576, (1536, 1536)), (1536, (576,)),
+                                         (576, (49152,)), (40, (40, 8, 8)), (8, (3,))])
+def test_the_fp32_row_kernel_gives_a_row_the_same_bits_in_any_batch_and_on_any_thread_count(width, parts):
+    """What fp32 verify == decode rests on, for SmolLM2's GEMM shapes (fused q/k/v and gate/up,
+    down projection, LM head) and tiny ones: row r alone, and among 2 .. 20 rows, on 1 or 2
+    threads, equal bitwise; and within fp32 rounding of the float64 product."""
+    torch.manual_seed(0)
+    fused = fuse_linears([CpuLinear(nn.Linear(width, w)) for w in parts])
+    assert fused.rows
+    x = torch.randn(20, width)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        alone = torch.cat([fused(x[r:r + 1]) for r in range(20)])
+        for rows in range(2, 21):
+            assert torch.equal(fused(x[:rows]), alone[:rows]), f"{rows} rows"
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(fused(x), alone)
+        finally:
+            torch.set_num_threads(threads)
+    expected = x.double() @ fused.weight.double().T + fused.bias.double()
+    torch.testing.assert_close(alone.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_cpu_target_and_drafter_run_cpu_linears_only(tiny_target, eagle3_head):
@@ -78,10 +105,12 @@ def test_a_fused_bf16_linear_gives_a_row_the_same_bits_in_any_batch(width, parts
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
         not onednn_bf16(), reason="needs oneDNN bf16 inner products (AVX512)"))])
 def test_a_linear_packs_its_weight_once_on_first_use_and_computes_what_the_dense_weight_does(dtype):
-    """bf16: the same bits; fp32 (another summation order): the same up to rounding."""
+    """bf16: the same bits; fp32 (another summation order): the same up to rounding. (fp32 with
+    AVX2 runs the row kernel, which reads the dense weight: here it is turned off.)"""
     torch.manual_seed(0)
     dense = nn.Linear(64, 96).to(dtype)
     linear = CpuLinear(dense)
+    linear.rows = False
     assert linear._packed is None  # fused parts that never run are never packed
     x = torch.randn(9, 64, dtype=dtype)
     with torch.inference_mode():
