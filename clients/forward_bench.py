@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from eagle_serve import paths
-from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16, row_kernel
+from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
+from kernels.cpu import cpu_kernels
 from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from forward_profile import decode_batch  # this script's folder is on sys.path
@@ -35,9 +36,9 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
         m.rows = False
     ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
     configs = [(plain, torch.float32), (onednn, torch.float32)]
-    configs += [(kernel, torch.float32)] if row_kernel() else []
+    configs += [(kernel, torch.float32)] if cpu_kernels() else []
     configs += [(ours_bf16, torch.bfloat16)] if onednn_bf16() else []
-    print("rows  nn.Linear ms  oneDNN fp32 ms" + ("  row kernel fp32 ms" if row_kernel() else "")
+    print("rows  nn.Linear ms  oneDNN fp32 ms" + ("  row kernel fp32 ms" if cpu_kernels() else "")
           + ("  oneDNN bf16 ms" if onednn_bf16() else ""))
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 8, 16):

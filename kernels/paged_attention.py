@@ -20,6 +20,8 @@ Soft-capping (softcap > 0): scores become softcap * tanh(scores / softcap) befor
 The kernel is flash-attention over the pages: one program per (request, block of queries,
 kv head) holds the queries of every q head that shares the kv head (GQA) as rows, and walks
 the keys a block at a time, finding each key's slot through the block table (any page size).
+On CPU, bf16/fp16 (and fp32 where kernels/cpu.cpp runs) take kernels.rowwise_attention's
+row-invariant path; float64 takes the reference.
 """
 from __future__ import annotations
 
@@ -149,113 +151,6 @@ def _in_window(positions, cu_seqlens_q, n_q, seq_lens, q_index, q_pos, max_ctx, 
     return (q_pos.unsqueeze(2) - k_pos.unsqueeze(1)) < window
 
 
-ROWWISE_MAX_QUERIES = 16  # prefills of more tokens take the batched reference
-
-
-def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float,
-                            tree_mask: torch.Tensor | None = None, window: int = 0,
-                            softcap: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """As paged_attention_ref, but each decode/verify query attends alone, unmasked, over
-    exactly the keys it sees (its context, then its ancestors in depth order for a tree).
-
-    A batched call's result for a query depends on the other queries and masked keys of the call
-    (measured on CPU with SDPA: 36/40 fp32 and 8/40 bf16 results change when masked keys are
-    appended), so a batched verify pass would not reproduce the one-token decode step bitwise.
-    Here the query of a verified position gets exactly the computation a one-token decode step
-    at that position makes (same shapes, same layout), so the result does not depend on the
-    batch. The math runs in fp32 on one thread, keys and values laid out [Hkv, L, D]: two
-    small bmms and a softmax per query cost ~22 us against ~90 us for SDPA on one query (and
-    small ops lose time to a second thread). A tree query whose path is not new tokens 0..d-1
-    gathers [context, path] through an index built once per forward (`_rowwise_queries`).
-    A prefill (a request's first forward: all its tokens new) of more than ROWWISE_MAX_QUERIES
-    tokens goes through the batched reference on its own; every other request is row-invariant
-    whatever its number of new tokens (a verify pass of a large draft tree: 17 or more rows).
-    A query's keys run along the sequence ([context, path] is positions 0 .. its own), so a
-    sliding window keeps the last `window` of them: what a decode step there keeps.
-    Shapes as paged_attention_ref.
-    """
-    page_size, kv_heads, head_dim = k_cache.shape[1:]
-    out = torch.empty_like(q)
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        q32 = (q.float() * scale).view(q.shape[0], kv_heads, -1, head_dim)  # [T, Hkv, G, D]
-        out32 = torch.empty_like(q32)
-        queries = _rowwise_queries(cu, lens, tree_mask)
-        for b, ctx_len in enumerate(lens):
-            start, n = cu[b], cu[b + 1] - cu[b]
-            if n == 0:
-                continue
-            if n > ROWWISE_MAX_QUERIES and n == ctx_len:  # a prefill
-                mask = None if tree_mask is None else tree_mask[b:b + 1]
-                pos = None if positions is None else positions[start:start + n]
-                out32[start:start + n] = paged_attention_ref(
-                    q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
-                    cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask, window,
-                    softcap, pos).float().view(n, kv_heads, -1, head_dim)  # exact: back to q's dtype below
-                continue
-            pages = block_tables[b, :-(-ctx_len // page_size)]
-            keys = _heads_first(k_cache, pages, ctx_len)  # [Hkv, C, D] fp32
-            values = _heads_first(v_cache, pages, ctx_len)
-            keys_t = keys.transpose(1, 2)  # [Hkv, D, C]
-            for i, length, gather in queries[b]:
-                first = max(0, length - window) if window > 0 else 0  # keys [first, length)
-                if gather is None:
-                    k_t, v = keys_t[:, :, first:length], values[:, first:length]
-                else:
-                    gather = gather[first:]
-                    k_t = keys.index_select(1, gather).transpose(1, 2)
-                    v = values.index_select(1, gather)  # [Hkv, L, D]
-                scores = torch.bmm(q32[start + i], k_t)  # [Hkv, G, L]
-                if softcap > 0:
-                    scores = torch.tanh(scores / softcap) * softcap
-                torch.bmm(torch.softmax(scores, dim=-1), v, out=out32[start + i])  # [Hkv, G, D]
-        out.copy_(out32.view_as(out))
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-_QUERY_PLAN: list = [None]  # [(key, plan)]: every layer of a forward asks for the same plan
-
-
-def _rowwise_queries(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None) -> list:
-    """Per request, (query i, key count L, gather) for each query: a chain query or a tree
-    query whose path is new tokens 0..d-1 reads the first L keys in place (gather None); any
-    other tree query reads [context, its path] through `gather`, a [L] index. Computed once per
-    forward (the key includes the mask's contents, so a reused tensor cannot alias)."""
-    mask = None if tree_mask is None else tree_mask.to("cpu", torch.bool)
-    key = (tuple(cu), tuple(lens), None if mask is None else (mask.shape, mask.numpy().tobytes()))
-    cached = _QUERY_PLAN[0]  # one read: another thread may replace it
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    plan = []
-    for b, ctx_len in enumerate(lens):
-        n = cu[b + 1] - cu[b]
-        prefix, rows = ctx_len - n, []
-        seen = None if mask is None else mask[b, :n, :n].tolist()
-        for i in range(n):
-            path = list(range(i + 1)) if seen is None else [j for j in range(i + 1) if seen[i][j]]
-            gather = None
-            if path != list(range(len(path))):
-                gather = torch.tensor(list(range(prefix)) + [prefix + j for j in path])
-            rows.append((i, prefix + len(path), gather))
-        plan.append(rows)
-    _QUERY_PLAN[0] = (key, plan)
-    return plan
-
-
-def _heads_first(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """cache: [num_pages, page_size, Hkv, D]; pages: [P] -> the first `length` positions of those
-    pages as [Hkv, length, D] fp32 (index_select: ~7x faster than indexing with `pages` here)."""
-    rows = torch.index_select(cache.reshape(cache.shape[0], -1), 0, pages)  # [P, page_size * Hkv * D]
-    flat = rows.view(-1, *cache.shape[2:])[:length]  # [length, Hkv, D]
-    return torch.empty((flat.shape[1], length, flat.shape[2])).copy_(flat.transpose(0, 1))
-
-
 def _tree_visible(tree_mask: torch.Tensor, n_q: torch.Tensor, seq_lens: torch.Tensor,
                   max_q: int, max_ctx: int) -> torch.Tensor:
     """-> [B, Q, C] bool: key c is context, or a new token the tree lets query i see."""
@@ -277,15 +172,20 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, impl: str | None = None):
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                     impl: str | None = None, tree_mask=None, window: int = 0, softcap: float = 0.0,
                     positions=None, max_q: int | None = None):
-    """Dispatch on q's device (impl as in kernels/__init__.py); CPU tensors in bf16/fp16 take
-    the row-invariant path (their linears are row-invariant too: see eagle_serve.cpu_matmul).
+    """Dispatch on q's device (impl as in kernels/__init__.py); CPU tensors in bf16/fp16, and in
+    fp32 where kernels/cpu.cpp runs them, take the row-invariant path (their linears are
+    row-invariant too: see eagle_serve.cpu_matmul); float64 (the exactness tests) the reference.
     max_q: the most new tokens of a request, if the caller knows it (else the kernel's launcher
     reads it from cu_seqlens_q: a host sync on a GPU)."""
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, tree_mask, window,
             softcap, positions)
     if use_kernel(impl, q):
         return paged_attention_triton(*args, max_q=max_q)
-    if impl is None and q.dtype in (torch.bfloat16, torch.float16):
+    # imported here: kernels.rowwise_attention imports this module's reference for prefills
+    from kernels.rowwise_attention import cpu_attend_fits, paged_attention_rowwise
+
+    if impl is None and (q.dtype in (torch.bfloat16, torch.float16)
+                         or q.dtype == torch.float32 and cpu_attend_fits(k_cache)):
         return paged_attention_rowwise(*args)
     return paged_attention_ref(*args)
 

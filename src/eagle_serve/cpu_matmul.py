@@ -22,24 +22,22 @@ single bf16 row with a zero row; with the row-invariant attention of kernels.pag
 verify pass then reproduces one-token decoding bitwise.
 
 fp32 on CPUs with AVX2 and FMA (the CPUs where `auto` picks fp32) runs our own kernel,
-row_linear.cpp, compiled once per machine by torch.utils.cpp_extension (`make setup` builds it;
-~35 s): every output element is summed by the same instruction sequence whatever the other
-rows, so fp32 rows are row-invariant by construction (no library offers that on CPU: MKL and
-oneDNN choose their kernel by row count). It reads the dense weight directly (fp32 weights are
-held once, not packed beside), at the machine's memory bandwidth for a decode step: the linears
-of the default target take 24 ms against oneDNN's 33 ms for one row, and 35 against 53 ms for
-five (docs/performance.md). Without AVX2/FMA or a compiler, oneDNN's packed fp32 runs (not
-row-invariant: float rounding only).
+kernels/cpu.cpp's `linear`: every output element is summed by the same instruction sequence
+whatever the other rows, so fp32 rows are row-invariant by construction. It reads the dense
+weight directly (fp32 weights are held once, not packed beside), at the machine's memory
+bandwidth for a decode step: the linears of the default target take 24 ms against oneDNN's
+33 ms for one row, and 35 against 53 ms for five (docs/performance.md). Without AVX2/FMA or a
+compiler, oneDNN's packed fp32 runs (not row-invariant: float rounding only).
 """
 from __future__ import annotations
 
 import functools
 import threading
-import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from kernels.cpu import cpu_flags, cpu_kernels
 
 
 # The row count oneDNN lays packed weights out for. fp32 packed for 1 row (or dense) runs 2+ rows
@@ -48,35 +46,10 @@ from torch import nn
 PACK_ROWS = {torch.float32: 8, torch.bfloat16: 2}
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
-    try:
-        return set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): then bf16 is the faster
     CPU dtype (see above); elsewhere oneDNN emulates it and fp32 is faster."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-@functools.cache
-def row_kernel():
-    """The compiled row_linear.cpp (its `linear(x, weight, bias)`), or None where this CPU lacks
-    AVX2/FMA or the build fails (warned once; CpuLinear then runs oneDNN's packed fp32). Built
-    into torch's extension cache (TORCH_EXTENSIONS_DIR) on first use, loaded from there after."""
-    if not {"avx2", "fma"} <= cpu_flags():
-        return None
-    from torch.utils.cpp_extension import load
-
-    try:
-        return load("eagle_row_linear", [str(Path(__file__).with_name("row_linear.cpp"))],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler, no ninja, ...: the oneDNN path still works
-        warnings.warn(f"the fp32 row kernel (row_linear.cpp) did not build, using oneDNN: {e}")
-        return None
 
 
 def _onednn_ok() -> bool:
@@ -110,7 +83,7 @@ class CpuLinear(nn.Module):
         self.onednn = (self.weight.dtype == torch.float32 and _onednn_ok()
                        or self.weight.dtype == torch.bfloat16 and onednn_bf16())
         self.rows = (self.weight.dtype == torch.float32 and self.in_features % 8 == 0
-                     and self.weight.device.type == "cpu" and row_kernel() is not None)
+                     and self.weight.device.type == "cpu" and cpu_kernels() is not None)
         self._packed: torch.Tensor | None = None  # oneDNN's blocked copy, made on first use
 
     def _weight(self) -> torch.Tensor:
@@ -121,8 +94,8 @@ class CpuLinear(nn.Module):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows and x.dtype == torch.float32 and not x.requires_grad:  # row_linear.cpp
-            return row_kernel().linear(x, self.weight, self.bias)
+        if self.rows and x.dtype == torch.float32 and not x.requires_grad:  # kernels/cpu.cpp
+            return cpu_kernels().linear(x, self.weight, self.bias)
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):
             return nn.functional.linear(x, self.weight, self.bias)
         if x.dtype == torch.bfloat16 and x.shape[:-1].numel() == 1:  # the row-invariant kernel

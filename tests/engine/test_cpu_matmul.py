@@ -7,7 +7,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from eagle_serve.checkpoints import load_drafter
-from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16, row_kernel
+from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
+from kernels.cpu import cpu_kernels
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel, fuse_linears
@@ -30,11 +31,11 @@ def test_a_cpu_linear_matches_nn_linear_for_zero_to_nine_rows(dtype, tol, bias, 
         torch.testing.assert_close(ours(x), linear(x), rtol=tol, atol=tol)
     assert torch.equal(ours.weight, linear.weight)
     assert ours.onednn == (dtype == torch.float32)
-    assert ours.rows == (dtype == torch.float32 and width == 24 and row_kernel() is not None)
+    assert ours.rows == (dtype == torch.float32 and width == 24 and cpu_kernels() is not None)
     assert ours.weight.data_ptr() == linear.weight.data_ptr()  # no copy
 
 
-@pytest.mark.skipif(row_kernel() is None, reason="the fp32 row kernel needs AVX2 and FMA")
+@pytest.mark.skipif(cpu_kernels() is None, reason="the fp32 row kernel needs AVX2 and FMA")
 @pytest.mark.parametrize("width,parts", [(576, (576, 192, 192)), (576, (1536, 1536)), (1536, (576,)),
                                          (576, (49152,)), (40, (40, 8, 8)), (8, (3,))])
 def test_the_fp32_row_kernel_gives_a_row_the_same_bits_in_any_batch_and_on_any_thread_count(width, parts):

@@ -8,10 +8,23 @@ import itertools
 import pytest
 import torch
 
-from kernels.paged_attention import (paged_attention, paged_attention_ref, paged_attention_rowwise,
-                                     write_kv, write_kv_ref)
+import kernels.rowwise_attention as rowwise_module
+from kernels.cpu import cpu_kernels
+from kernels.paged_attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from kernels.rowwise_attention import paged_attention_rowwise
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 40
+
+
+@pytest.fixture(params=["cpu.cpp", "python"])
+def rowwise_path(request, monkeypatch):
+    """paged_attention_rowwise through kernels/cpu.cpp's `attend` (where this CPU builds it) or
+    through its PyTorch fallback."""
+    if request.param == "cpu.cpp" and cpu_kernels() is None:
+        pytest.skip("kernels/cpu.cpp needs AVX2, FMA and a compiler")
+    if request.param == "python":
+        monkeypatch.setattr(rowwise_module, "cpu_kernels", lambda: None)
+    return request.param
 
 
 def make_batch(n_q: list[int], seq_lens: list[int], page_size: int, seed: int = 0):
@@ -127,7 +140,7 @@ def test_kv_write_then_attention_uses_what_was_written():
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_row_invariant_attention_matches_the_reference(name):
+def test_row_invariant_attention_matches_the_reference(name, rowwise_path):
     batch = make_batch(*BATCHES[name], page_size=5)
     scale = HEAD_DIM ** -0.5
     torch.testing.assert_close(paged_attention_rowwise(*batch, scale), paged_attention_ref(*batch, scale),
@@ -141,7 +154,7 @@ def test_row_invariant_attention_matches_the_reference(name):
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 2.5)], ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(dtype, window, softcap):
+def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(dtype, window, softcap, rowwise_path):
     """Each query of a verify pass (a chain, or a tree path) gets exactly the result a decode
     step at its position would, whatever else is in the batch (also with a sliding window and
     soft-capping)."""
@@ -170,7 +183,7 @@ def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(d
     assert torch.equal(alone[0], out[2])
 
 
-def test_a_verify_pass_of_more_than_sixteen_rows_stays_row_invariant_in_bf16():
+def test_a_verify_pass_of_more_than_sixteen_rows_stays_row_invariant_in_bf16(rowwise_path):
     """Only a prefill (all of a request's tokens new) takes the batched path: a 20-row verify
     pass after a context of 23 still equals one-token decode steps bitwise."""
     n_q, seq_lens = [20, 20], [43, 20]  # request 1: a prefill
@@ -199,7 +212,7 @@ WINDOWED = [(1, 0.0), (6, 0.0), (9, 2.5), (0, 2.5), (100, 30.0)]
 
 @pytest.mark.parametrize("window,softcap", WINDOWED)
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_windowed_soft_capped_attention_kernel_and_row_invariant_path_match_the_reference(name, window, softcap):
+def test_windowed_soft_capped_attention_kernel_and_row_invariant_path_match_the_reference(name, window, softcap, rowwise_path):
     batch = make_batch(*BATCHES[name], page_size=5, seed=5)
     opts = dict(window=window, softcap=softcap)
     ref = paged_attention_ref(*batch, 0.3, **opts)
@@ -208,7 +221,7 @@ def test_windowed_soft_capped_attention_kernel_and_row_invariant_path_match_the_
 
 
 @pytest.mark.parametrize("window,softcap", WINDOWED)
-def test_windowed_soft_capped_tree_attention_matches_the_reference(window, softcap):
+def test_windowed_soft_capped_tree_attention_matches_the_reference(window, softcap, rowwise_path):
     n_q, seq_lens = [7, 1, 5, 0, 3], [30, 9, 5, 4, 13]
     batch = make_batch(n_q, seq_lens, page_size=5, seed=6)
     opts = dict(tree_mask=tree_masks(n_q), window=window, softcap=softcap,
@@ -219,7 +232,7 @@ def test_windowed_soft_capped_tree_attention_matches_the_reference(window, softc
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton", "rowwise"])
-def test_a_windowed_tree_query_sees_the_last_window_positions_of_its_path_soft_capped(impl):
+def test_a_windowed_tree_query_sees_the_last_window_positions_of_its_path_soft_capped(impl, rowwise_path):
     """Query 6 (path 0 -> 2 -> 4 -> 6, depth 4) of a request with 12 context tokens sits at
     position 15: with a window of 6 it sees context positions 10, 11 and its path, computed
     by hand with soft-capping."""

@@ -1,0 +1,48 @@
+"""Row-invariant C++ kernels for CPUs with AVX2 and FMA (cpu.cpp): the fp32 linear that
+eagle_serve.cpu_matmul runs, and the attention of each verify/decode query over exactly its own
+keys that paged_attention_rowwise runs. Each output element is computed by one instruction
+sequence whatever the other rows and threads, so a verify row gets its decode step's bits by
+construction (no library offers that on CPU: MKL and oneDNN choose their kernel by row count,
+SDPA by shape). Compiled once per machine by torch.utils.cpp_extension into torch's extension
+cache (TORCH_EXTENSIONS_DIR; `make setup` does it, ~35 s), loaded from there after.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        return set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@functools.cache
+def cpu_kernels():
+    """The compiled cpu.cpp (`linear`, `attend`), or None where this CPU lacks AVX2/FMA or the
+    build fails (warned once; callers then take their PyTorch paths)."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load("eagle_cpu_kernels", [str(Path(__file__).with_name("cpu.cpp"))],
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler, no ninja, ...: the PyTorch paths still work
+        warnings.warn(f"the CPU kernels (kernels/cpu.cpp) did not build, using PyTorch's: {e}")
+        return None
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+           starts: torch.Tensor, window: int, softcap: float) -> torch.Tensor:
+    """q [T, Hq, D] fp32 (scaled); caches [num_pages, page_size, Hkv, D] fp32 or bf16; query t
+    attends over slots[starts[t]:starts[t + 1]] in order (window > 0: the last `window`)
+    -> [T, Hq, D] fp32"""
+    flat = [c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache)]
+    return cpu_kernels().attend(q, *flat, slots, starts, window, softcap)

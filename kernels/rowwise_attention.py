@@ -1,0 +1,174 @@
+"""Row-invariant paged attention on CPU: each decode/verify query attends alone over exactly the
+keys it sees, so a verify pass reproduces one-token decode steps bitwise (kernels.paged_attention
+dispatches CPU bf16/fp16, and fp32 where kernels/cpu.cpp runs, here). Layout, trees and
+windows as kernels.paged_attention's docstring says.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kernels.cpu import attend as cpu_attend, cpu_kernels
+from kernels.paged_attention import paged_attention_ref
+
+
+ROWWISE_MAX_QUERIES = 16  # prefills of more tokens take the batched reference
+
+
+def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float,
+                            tree_mask: torch.Tensor | None = None, window: int = 0,
+                            softcap: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """As paged_attention_ref, but each decode/verify query attends alone, unmasked, over
+    exactly the keys it sees (its context, then its ancestors in depth order for a tree).
+
+    A batched call's result for a query depends on the other queries and masked keys of the call
+    (measured on CPU with SDPA: 36/40 fp32 and 8/40 bf16 results change when masked keys are
+    appended), so a batched verify pass would not reproduce the one-token decode step bitwise.
+    Here the query of a verified position gets exactly the computation a one-token decode step
+    at that position makes, so the result does not depend on the batch. The math runs in fp32:
+    on CPUs with AVX2, one call of kernels/cpu.cpp's `attend` for all queries of a layer (each
+    query walks its own list of key slots, built once per forward by `_query_slots`); elsewhere
+    `_attend_in_python`, per query. A prefill (a request's first forward: all its tokens new) of
+    more than ROWWISE_MAX_QUERIES tokens goes through the batched reference on its own; every
+    other request is row-invariant whatever its number of new tokens (a verify pass of a large
+    draft tree: 17 or more rows). A query's keys run along the sequence ([context, path] is
+    positions 0 .. its own), so a sliding window keeps the last `window` of them: what a decode
+    step there keeps. Shapes as paged_attention_ref.
+    """
+    page_size, kv_heads, head_dim = k_cache.shape[1:]
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    q32 = (q.float() * scale).contiguous()  # [T, Hq, D]
+    if cpu_attend_fits(k_cache):
+        slots, starts = _query_slots(cu, lens, tree_mask, block_tables, page_size)
+        out32 = cpu_attend(q32, k_cache, v_cache, slots, starts, window, softcap)
+    else:
+        out32 = _attend_in_python(q32, k_cache, v_cache, block_tables, cu, lens,
+                                  _rowwise_queries(cu, lens, tree_mask), window, softcap)
+    for b, ctx_len in enumerate(lens):
+        start, n = cu[b], cu[b + 1] - cu[b]
+        if _is_prefill(n, ctx_len):
+            mask = None if tree_mask is None else tree_mask[b:b + 1]
+            pos = None if positions is None else positions[start:start + n]
+            out32[start:start + n] = paged_attention_ref(  # exact: back to q's dtype below
+                q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
+                cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask, window, softcap, pos)
+    return out32.to(q.dtype)
+
+
+def cpu_attend_fits(k_cache: torch.Tensor) -> bool:
+    """Whether kernels/cpu.cpp's `attend` runs these caches: built here, fp32 or bf16, D % 8 == 0."""
+    return (cpu_kernels() is not None and k_cache.shape[-1] % 8 == 0
+            and k_cache.dtype in (torch.float32, torch.bfloat16))
+
+
+def _is_prefill(n: int, ctx_len: int) -> bool:
+    """A request's queries that take the batched reference: a prefill of many tokens."""
+    return n > ROWWISE_MAX_QUERIES and n == ctx_len
+
+
+def _attend_in_python(q32, k_cache, v_cache, block_tables, cu, lens, queries, window, softcap):
+    """paged_attention_rowwise's math without the C++ kernel: keys and values laid out
+    [Hkv, L, D], two small bmms and a softmax per query on one thread (~22 us against ~90 us for
+    SDPA on one query; small ops lose time to a second thread). -> [T, Hq, D] fp32"""
+    page_size, kv_heads, head_dim = k_cache.shape[1:]
+    q32 = q32.view(q32.shape[0], kv_heads, -1, head_dim)  # [T, Hkv, G, D]
+    out32 = torch.zeros_like(q32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for b, ctx_len in enumerate(lens):
+            start, n = cu[b], cu[b + 1] - cu[b]
+            if n == 0 or _is_prefill(n, ctx_len):
+                continue
+            pages = block_tables[b, :-(-ctx_len // page_size)]
+            keys = _heads_first(k_cache, pages, ctx_len)  # [Hkv, C, D] fp32
+            values = _heads_first(v_cache, pages, ctx_len)
+            keys_t = keys.transpose(1, 2)  # [Hkv, D, C]
+            for i, length, gather in queries[b]:
+                first = max(0, length - window) if window > 0 else 0  # keys [first, length)
+                if gather is None:
+                    k_t, v = keys_t[:, :, first:length], values[:, first:length]
+                else:
+                    gather = gather[first:]
+                    k_t = keys.index_select(1, gather).transpose(1, 2)
+                    v = values.index_select(1, gather)  # [Hkv, L, D]
+                scores = torch.bmm(q32[start + i], k_t)  # [Hkv, G, L]
+                if softcap > 0:
+                    scores = torch.tanh(scores / softcap) * softcap
+                torch.bmm(torch.softmax(scores, dim=-1), v, out=out32[start + i])  # [Hkv, G, D]
+    finally:
+        torch.set_num_threads(threads)
+    return out32.view(q32.shape[0], -1, head_dim)
+
+
+_SLOT_PLAN: list = [None]  # [(key, plan)]: every layer of a forward asks for the same plan
+
+
+def _query_slots(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None,
+                 block_tables: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_rowwise_queries`' key lists as cache slots for cpu.cpp's `attend`: slots [S] int64,
+    starts [T + 1] (query t's keys are slots[starts[t]:starts[t + 1]], in order; none for a
+    prefill's queries, which the reference computes). Built once per forward (keyed by the
+    contents, as _rowwise_queries)."""
+    key = (_queries_key(cu, lens, tree_mask), block_tables.numpy().tobytes(), page_size)
+    cached = _SLOT_PLAN[0]  # one read: another thread may replace it
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    tables, lists, lengths = block_tables.tolist(), [], [0] * cu[-1]
+    for b, rows in enumerate(_rowwise_queries(cu, lens, tree_mask)):
+        if _is_prefill(cu[b + 1] - cu[b], lens[b]):
+            continue
+        table = torch.tensor(tables[b], dtype=torch.int64)
+        for i, length, gather in rows:
+            pos = torch.arange(length) if gather is None else gather
+            lists.append(table[pos // page_size] * page_size + pos % page_size)
+            lengths[cu[b] + i] = length
+    slots = torch.cat(lists) if lists else torch.zeros(0, dtype=torch.int64)
+    starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+    _SLOT_PLAN[0] = (key, (slots, starts))
+    return slots, starts
+
+
+_QUERY_PLAN: list = [None]  # [(key, plan)]: every layer of a forward asks for the same plan
+
+
+def _queries_key(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None) -> tuple:
+    mask = None if tree_mask is None else tree_mask.to("cpu", torch.bool)
+    return tuple(cu), tuple(lens), None if mask is None else (mask.shape, mask.numpy().tobytes())
+
+
+def _rowwise_queries(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None) -> list:
+    """Per request, (query i, key count L, gather) for each query: a chain query or a tree
+    query whose path is new tokens 0..d-1 reads the first L keys in place (gather None); any
+    other tree query reads [context, its path] through `gather`, a [L] index. Computed once per
+    forward (the key includes the mask's contents, so a reused tensor cannot alias)."""
+    key = _queries_key(cu, lens, tree_mask)
+    cached = _QUERY_PLAN[0]  # one read: another thread may replace it
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    mask = None if tree_mask is None else tree_mask.to("cpu", torch.bool)
+    plan = []
+    for b, ctx_len in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        prefix, rows = ctx_len - n, []
+        seen = None if mask is None else mask[b, :n, :n].tolist()
+        for i in range(n):
+            path = list(range(i + 1)) if seen is None else [j for j in range(i + 1) if seen[i][j]]
+            gather = None
+            if path != list(range(len(path))):
+                gather = torch.tensor(list(range(prefix)) + [prefix + j for j in path])
+            rows.append((i, prefix + len(path), gather))
+        plan.append(rows)
+    _QUERY_PLAN[0] = (key, plan)
+    return plan
+
+
+def _heads_first(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """cache: [num_pages, page_size, Hkv, D]; pages: [P] -> the first `length` positions of those
+    pages as [Hkv, length, D] fp32 (index_select: ~7x faster than indexing with `pages` here)."""
+    rows = torch.index_select(cache.reshape(cache.shape[0], -1), 0, pages)  # [P, page_size * Hkv * D]
+    flat = rows.view(-1, *cache.shape[2:])[:length]  # [length, Hkv, D]
+    return torch.empty((flat.shape[1], length, flat.shape[2])).copy_(flat.transpose(0, 1))
