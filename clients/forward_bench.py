@@ -33,7 +33,7 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
     plain = [nn.Linear(i, o, bias=False) for o, i in shapes]
     onednn, kernel = [CpuLinear(m) for m in plain], [CpuLinear(m) for m in plain]
     for m in onednn:
-        m.rows = False
+        m.cpu_kernel = False
     ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
     configs = [(plain, torch.float32), (onednn, torch.float32)]
     configs += [(kernel, torch.float32)] if cpu_kernels() else []
@@ -62,9 +62,9 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     dtype = torch_dtype("auto")
     model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
     every = [m for m in model.hf.modules() if isinstance(m, CpuLinear)]
-    kernel = [m.rows for m in every]
+    kernel = [m.cpu_kernel for m in every]
     for m in every:
-        m.rows = False
+        m.cpu_kernel = False
     model.logits(decode_batch(1, context), torch.arange(1))  # packs every linear it runs
     linears = [m for m in every if m._packed is not None]
     weights = {"dense": [m.weight.detach() for m in linears], "packed": [m._packed for m in linears]}
@@ -75,7 +75,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
             batch = decode_batch(rows, context)
             for name in names:
                 for m, on in zip(every, kernel):
-                    m.rows = on and name == "row kernel"
+                    m.cpu_kernel = on and name == "row kernel"
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()

@@ -4,7 +4,7 @@ keys that paged_attention_rowwise runs. Each output element is computed by one i
 sequence whatever the other rows and threads, so a verify row gets its decode step's bits by
 construction (no library offers that on CPU: MKL and oneDNN choose their kernel by row count,
 SDPA by shape). Compiled once per machine by torch.utils.cpp_extension into torch's extension
-cache (TORCH_EXTENSIONS_DIR; `make setup` does it, ~35 s), loaded from there after.
+cache (TORCH_EXTENSIONS_DIR; `make setup` does it, about a minute), loaded from there after.
 """
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ class CpuLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.onednn = (self.weight.dtype == torch.float32 and _onednn_ok()
                        or self.weight.dtype == torch.bfloat16 and onednn_bf16())
-        self.rows = (self.weight.dtype == torch.float32 and self.in_features % 8 == 0
-                     and self.weight.device.type == "cpu" and cpu_kernels() is not None)
+        self.cpu_kernel = (self.weight.dtype == torch.float32 and self.in_features % 8 == 0  # runs
+                           and self.weight.device.type == "cpu" and cpu_kernels() is not None)  # cpu.cpp
         self._packed: torch.Tensor | None = None  # oneDNN's blocked copy, made on first use
 
     def _weight(self) -> torch.Tensor:
@@ -94,7 +94,7 @@ class CpuLinear(nn.Module):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows and x.dtype == torch.float32 and not x.requires_grad:  # kernels/cpu.cpp
+        if self.cpu_kernel and x.dtype == torch.float32 and not x.requires_grad:  # kernels/cpu.cpp
             return cpu_kernels().linear(x, self.weight, self.bias)
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):
             return nn.functional.linear(x, self.weight, self.bias)

@@ -31,7 +31,7 @@ def test_a_cpu_linear_matches_nn_linear_for_zero_to_nine_rows(dtype, tol, bias, 
         torch.testing.assert_close(ours(x), linear(x), rtol=tol, atol=tol)
     assert torch.equal(ours.weight, linear.weight)
     assert ours.onednn == (dtype == torch.float32)
-    assert ours.rows == (dtype == torch.float32 and width == 24 and cpu_kernels() is not None)
+    assert ours.cpu_kernel == (dtype == torch.float32 and width == 24 and cpu_kernels() is not None)
     assert ours.weight.data_ptr() == linear.weight.data_ptr()  # no copy
 
 
@@ -44,7 +44,7 @@ def test_the_fp32_row_kernel_gives_a_row_the_same_bits_in_any_batch_and_on_any_t
     threads, equal bitwise; and within fp32 rounding of the float64 product."""
     torch.manual_seed(0)
     fused = fuse_linears([CpuLinear(nn.Linear(width, w)) for w in parts])
-    assert fused.rows
+    assert fused.cpu_kernel
     x = torch.randn(20, width)
     threads = torch.get_num_threads()
     with torch.inference_mode():
@@ -111,7 +111,7 @@ def test_a_linear_packs_its_weight_once_on_first_use_and_computes_what_the_dense
     torch.manual_seed(0)
     dense = nn.Linear(64, 96).to(dtype)
     linear = CpuLinear(dense)
-    linear.rows = False
+    linear.cpu_kernel = False
     assert linear._packed is None  # fused parts that never run are never packed
     x = torch.randn(9, 64, dtype=dtype)
     with torch.inference_mode():
