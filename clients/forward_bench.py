@@ -19,9 +19,9 @@ from torch import nn
 
 from eagle_serve import paths
 from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
-from kernels.cpu import cpu_kernels
 from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
+from kernels.cpu import cpu_kernels
 from forward_profile import decode_batch  # this script's folder is on sys.path
 
 

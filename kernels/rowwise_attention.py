@@ -121,10 +121,10 @@ def _query_slots(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None,
     for b, rows in enumerate(_rowwise_queries(cu, lens, tree_mask)):
         if _is_prefill(cu[b + 1] - cu[b], lens[b]):
             continue
-        table = torch.tensor(tables[b], dtype=torch.int64)
-        for i, length, gather in rows:
-            pos = torch.arange(length) if gather is None else gather
-            lists.append(table[pos // page_size] * page_size + pos % page_size)
+        pos = torch.arange(lens[b])
+        request = torch.tensor(tables[b], dtype=torch.int64)[pos // page_size] * page_size + pos % page_size
+        for i, length, gather in rows:  # a chain query's keys are a prefix of the request's
+            lists.append(request[:length] if gather is None else request[gather])
             lengths[cu[b] + i] = length
     slots = torch.cat(lists) if lists else torch.zeros(0, dtype=torch.int64)
     starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)

@@ -8,10 +8,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
-from kernels.cpu import cpu_kernels
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel, fuse_linears
+from kernels.cpu import cpu_kernels
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
