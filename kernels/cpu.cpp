@@ -4,10 +4,14 @@
 // thread that runs it (threads split independent outputs: torch's pool, at::parallel_for).
 //
 // linear: out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]), fp32: eight lanes of fused
-//   multiply-adds along k in order, then one fixed lane reduction. Tiles of 3 rows x 4 output
-//   features keep 12 accumulators in registers and read each weight vector once per 3 rows.
+//   multiply-adds along k in order, then one fixed lane reduction. Tiles of up to 4 rows x 3
+//   output features keep 12 accumulators in registers and read each weight vector once per 4
+//   rows (a single row: 1 x 4); how rows and features are tiled never changes an element's sum.
+// rms_norm: each row's sum of squares by the same eight-lane sequence, then scale * (x * inv).
+// rope_write_kv: HF's rotation of q and k, and the KV cache write, in one call.
 // attend: each (query, q head) attends over its own list of key slots in order: scores by the
-//   same dot product, a softmax in one pass order, the weighted sum of values along the list.
+//   same dot product, a softmax in one pass order, the weighted sum of values along the list;
+//   the q heads that share a kv head (up to 4 at a time) share the key and value loads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,13 +28,16 @@ inline float lane_sum(__m256 v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// RB rows of x [.., K] against NB weight rows w [.., K] -> out[r * N + n]
+// RB rows of x [.., K] against NB weight rows w [.., K] -> out[r * N + n]; pf: NB weight rows
+// to prefetch meanwhile (or null)
 template <int RB, int NB>
-inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t N) {
+inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t N, const float* pf) {
   __m256 acc[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
+    if (pf && k % 16 == 0)  // a 64-byte line of each row every other step
+      for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * K + k), _MM_HINT_T0);
     __m256 wv[NB];
     for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
     for (int r = 0; r < RB; ++r) {
@@ -42,13 +49,32 @@ inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t 
     for (int n = 0; n < NB; ++n) out[r * N + n] = lane_sum(acc[r][n]);
 }
 
-// all R rows against NB weight rows starting at output feature n
-template <int NB>
-void columns(const float* x, int64_t R, int64_t K, const float* w, int64_t n, float* out, int64_t N) {
-  int64_t r = 0;
-  for (; r + 3 <= R; r += 3) tile<3, NB>(x + r * K, w + n * K, K, out + r * N + n, N);
-  for (; r + 2 <= R; r += 2) tile<2, NB>(x + r * K, w + n * K, K, out + r * N + n, N);
-  for (; r < R; ++r) tile<1, NB>(x + r * K, w + n * K, K, out + r * N + n, N);
+// all R rows against NB weight rows starting at output feature n, in tiles of up to RB rows (x
+// stays in cache; the weight rows are read from memory by the first tile, which prefetches the
+// rows at pf meanwhile, so the other tiles' arithmetic overlaps the weight stream)
+template <int NB, int RB>
+void columns(const float* x, int64_t R, int64_t K, const float* w, int64_t n, float* out, int64_t N,
+             const float* pf) {
+  for (int64_t r = 0; r < R; pf = nullptr) {
+    const int64_t rows = std::min<int64_t>(R - r, RB);
+    float* o = out + r * N + n;
+    if (rows == RB) tile<RB, NB>(x + r * K, w + n * K, K, o, N, pf);
+    else if (rows == 3) tile<3, NB>(x + r * K, w + n * K, K, o, N, pf);
+    else if (rows == 2) tile<2, NB>(x + r * K, w + n * K, K, o, N, pf);
+    else tile<1, NB>(x + r * K, w + n * K, K, o, N, pf);
+    r += rows;
+  }
+}
+
+// out [R, N] = x [R, K] w [N, K]^T, threads splitting the output features in blocks of NB
+template <int NB, int RB>
+void matmul(const float* x, int64_t R, int64_t K, const float* w, int64_t N, float* out) {
+  constexpr int64_t ahead = 4;  // blocks prefetched ahead (a thread's own next ones)
+  at::parallel_for(0, N / NB, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      columns<NB, RB>(x, R, K, w, b * NB, out, N, R > 1 && b + ahead < end ? w + (b + ahead) * NB * K : nullptr);
+  });
+  for (int64_t n = N / NB * NB; n < N; ++n) columns<1, RB>(x, R, K, w, n, out, N, nullptr);
 }
 
 // 8 floats from fp32 or bf16 memory
@@ -58,11 +84,53 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
-  return lane_sum(acc);
+// C consecutive q heads of one query (q [C, D]) over the keys at slots[0 .. L) of one kv head:
+// out [C, D]. Each head's score for a key is the same eight-lane FMA sequence along D and lane
+// sum, its softmax one pass in key order, its output the weighted sum of values in key order,
+// whichever heads share the call (they share the key and value loads).
+template <int C, typename T>
+void heads_over_keys(const float* q, const T* keys, const T* values, const int64_t* slots,
+                     int64_t L, int64_t Hkv, int64_t g, int64_t D, float softcap, float* out,
+                     std::vector<float>& p, std::vector<float>& acc) {
+  p.resize(C * L);
+  float top[C], total[C];
+  for (int c = 0; c < C; ++c) top[c] = -INFINITY, total[c] = 0.0f;
+  for (int64_t j0 = 0; j0 < L; j0 += 2) {  // two keys at a time: 2 C independent sums
+    const int64_t nk = std::min<int64_t>(2, L - j0);
+    const T* k[2] = {keys + (slots[j0] * Hkv + g) * D, keys + (slots[j0 + nk - 1] * Hkv + g) * D};
+    __m256 a[2][C];
+    for (int i = 0; i < 2; ++i)
+      for (int c = 0; c < C; ++c) a[i][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv[2] = {load8(k[0] + d), load8(k[1] + d)};
+      for (int c = 0; c < C; ++c) {
+        const __m256 qv = _mm256_loadu_ps(q + c * D + d);
+        for (int i = 0; i < 2; ++i) a[i][c] = _mm256_fmadd_ps(qv, kv[i], a[i][c]);
+      }
+    }
+    for (int i = 0; i < nk; ++i)
+      for (int c = 0; c < C; ++c) {
+        float s = lane_sum(a[i][c]);
+        if (softcap > 0) s = std::tanh(s / softcap) * softcap;
+        p[c * L + j0 + i] = s;
+        top[c] = std::max(top[c], s);
+      }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int64_t j = 0; j < L; ++j) total[c] += (p[c * L + j] = std::exp(p[c * L + j] - top[c]));
+  acc.assign(C * D, 0.0f);
+  for (int64_t j = 0; j < L; ++j) {
+    const T* v = values + (slots[j] * Hkv + g) * D;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 vv = load8(v + d);
+      for (int c = 0; c < C; ++c) {
+        float* a = &acc[c * D + d];
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[c * L + j]), vv, _mm256_loadu_ps(a)));
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int64_t d = 0; d < D; ++d) out[c * D + d] = acc[c * D + d] / total[c];
 }
 
 template <typename T>
@@ -70,38 +138,29 @@ void attend_all(const float* q, const T* keys, const T* values, const int64_t* s
                 const int64_t* starts, float* out, int64_t num_queries, int64_t Hq, int64_t Hkv,
                 int64_t D, int64_t window, float softcap) {
   const int64_t group = Hq / Hkv;
-  at::parallel_for(0, num_queries * Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p;
-    std::vector<float> acc(D);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / Hq, h = i % Hq, g = h / group;
+  at::parallel_for(0, num_queries * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p, acc;
+    for (int64_t i = begin; i < end; ++i) {  // query t, kv head g: q heads g * group ..
+      const int64_t t = i / Hkv, g = i % Hkv;
       int64_t first = starts[t];
       const int64_t last = starts[t + 1];
       if (window > 0 && last - first > window) first = last - window;
-      const float* qv = q + i * D;
-      float* o = out + i * D;
-      if (last <= first) {
-        std::fill(o, o + D, 0.0f);
-        continue;
+      for (int64_t h = g * group; h < (g + 1) * group; h += 4) {  // up to 4 heads a call
+        const float* qh = q + (t * Hq + h) * D;
+        float* o = out + (t * Hq + h) * D;
+        const int64_t n = std::min<int64_t>(4, (g + 1) * group - h), L = last - first;
+        if (L <= 0) {
+          std::fill(o, o + n * D, 0.0f);
+          continue;
+        }
+        const int64_t* sl = slots + first;
+        switch (n) {
+          case 1: heads_over_keys<1>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc); break;
+          case 2: heads_over_keys<2>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc); break;
+          case 3: heads_over_keys<3>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc); break;
+          default: heads_over_keys<4>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc);
+        }
       }
-      p.resize(last - first);
-      float top = -INFINITY;
-      for (int64_t j = first; j < last; ++j) {
-        float s = dot(qv, keys + (slots[j] * Hkv + g) * D, D);
-        if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-        p[j - first] = s;
-        top = std::max(top, s);
-      }
-      float total = 0.0f;
-      for (auto& s : p) total += (s = std::exp(s - top));
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = first; j < last; ++j) {
-        const __m256 w = _mm256_set1_ps(p[j - first]);
-        const T* v = values + (slots[j] * Hkv + g) * D;
-        for (int64_t d = 0; d < D; d += 8)
-          _mm256_storeu_ps(&acc[d], _mm256_fmadd_ps(w, load8(v + d), _mm256_loadu_ps(&acc[d])));
-      }
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
     }
   });
 }
@@ -152,18 +211,86 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   const float* xp = rows.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  constexpr int NB = 4;
-  at::parallel_for(0, N / NB, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) columns<NB>(xp, R, K, wp, b * NB, op, N);
-  });
-  for (int64_t n = N / NB * NB; n < N; ++n) columns<1>(xp, R, K, wp, n, op, N);
+  if (R == 1) matmul<4, 1>(xp, R, K, wp, N, op);  // a decode step: four weight streams
+  else matmul<3, 4>(xp, R, K, wp, N, op);        // 12 accumulators, 3 + 1 registers of operands
   if (bias.has_value()) out.add_(*bias);
   auto shape = x.sizes().vec();
   shape.back() = N;
   return out.view(shape);
 }
 
+// x [..., H] fp32, scale [H] fp32, H a multiple of 8 -> scale * (x / sqrt(mean(x^2) + eps)), each
+// row on its own (HF's RMSNorm arithmetic up to float rounding; Gemma's passes 1 + weight)
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && scale.scalar_type() == torch::kFloat32 &&
+              scale.dim() == 1 && scale.is_contiguous() && scale.size(0) == x.size(-1) &&
+              x.size(-1) % 8 == 0, "rms_norm: fp32 x [..., H], scale [H], H % 8 == 0");
+  const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t R = rows.size(0), H = rows.size(1);
+  auto out = torch::empty_like(rows);
+  const float* w = scale.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = rows.data_ptr<float>() + r * H;
+    float* o = out.data_ptr<float>() + r * H;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t h = 0; h < H; h += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + h);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(lane_sum(acc) / H + static_cast<float>(eps)));
+    for (int64_t h = 0; h < H; h += 8)
+      _mm256_storeu_ps(o + h, _mm256_mul_ps(_mm256_loadu_ps(w + h), _mm256_mul_ps(_mm256_loadu_ps(xr + h), inv)));
+  }
+  return out.view(x.sizes());
+}
+
+// q [T, Hq, D], k, v [T, Hkv, D] fp32; cos, sin [T, R] fp32 (R even, R <= D: the first R dims
+// of a head rotate, as HF's rotate_half, the rest pass); caches [num_slots, Hkv, D] fp32
+// contiguous; slot_mapping [T] int64 (-1: not written). Rotates q and k with HF's arithmetic
+// (x * cos + rotate_half(x) * sin, each product rounded: the file builds without FP
+// contraction), writes the rotated k and v to their slots -> the rotated q [T, Hq, D]
+torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& slot_mapping) {
+  const int64_t T = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(2), R = cos.size(1);
+  for (const auto* t : {&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "rope_write_kv: fp32 tensors only");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == D && R % 2 == 0 && R <= D &&
+              cos.sizes() == sin.sizes() && cos.size(0) == T && slot_mapping.numel() == T &&
+              slot_mapping.scalar_type() == torch::kInt64 && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(1) == Hkv &&
+              k_cache.size(2) == D && k_cache.sizes() == v_cache.sizes(), "rope_write_kv: shapes");
+  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const auto cc = cos.contiguous(), sc = sin.contiguous(), slots = slot_mapping.contiguous();
+  auto q_out = torch::empty_like(qc);
+  std::vector<float> k_rot(Hkv * D);
+  const int64_t half = R / 2, num_slots = k_cache.size(0);
+  auto rotate = [&](const float* x, float* o, const float* c, const float* s) {
+    for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+    for (int64_t i = half; i < R; ++i) o[i] = x[i] * c[i] + x[i - half] * s[i];
+    for (int64_t i = R; i < D; ++i) o[i] = x[i];
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cc.data_ptr<float>() + t * R;
+    const float* s = sc.data_ptr<float>() + t * R;
+    for (int64_t h = 0; h < Hq; ++h)
+      rotate(qc.data_ptr<float>() + (t * Hq + h) * D, q_out.data_ptr<float>() + (t * Hq + h) * D, c, s);
+    const int64_t slot = slots.data_ptr<int64_t>()[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "rope_write_kv: slot ", slot, " outside the cache");
+    for (int64_t h = 0; h < Hkv; ++h)
+      rotate(kc.data_ptr<float>() + (t * Hkv + h) * D, k_rot.data() + h * D, c, s);
+    std::copy(k_rot.begin(), k_rot.end(), k_cache.data_ptr<float>() + slot * Hkv * D);
+    const float* vt = vc.data_ptr<float>() + t * Hkv * D;
+    std::copy(vt, vt + Hkv * D, v_cache.data_ptr<float>() + slot * Hkv * D);
+  }
+  return q_out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, k and v written to their cache slots");
+  m.def("rms_norm", &rms_norm, "row-wise fp32 RMSNorm (AVX2 + FMA)");
   m.def("linear", &linear, "row-invariant fp32 linear (AVX2 + FMA)");
   m.def("attend", &attend, "row-invariant attention of each query over its own key slots");
 }

@@ -33,7 +33,7 @@ def cpu_kernels():
 
     try:
         return load("eagle_cpu_kernels", [str(Path(__file__).with_name("cpu.cpp"))],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, ...: the PyTorch paths still work
         warnings.warn(f"the CPU kernels (kernels/cpu.cpp) did not build, using PyTorch's: {e}")
         return None
@@ -46,3 +46,19 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots:
     -> [T, Hq, D] fp32"""
     flat = [c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache)]
     return cpu_kernels().attend(q, *flat, slots, starts, window, softcap)
+
+
+def rope_write_kv_fits(q: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether cpu.cpp's `rope_write_kv` runs this step: fp32 on CPU, the kernels built."""
+    return (q.dtype == k_cache.dtype == cos.dtype == torch.float32 and q.device.type == "cpu"
+            and k_cache.device.type == "cpu" and cpu_kernels() is not None)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE on q [T, Hq, D] and k [T, Hkv, D] (cos, sin [T, R]: the first R dims rotate),
+    k and v [T, Hkv, D] written to caches [num_pages, page_size, Hkv, D] at slot_mapping [T]
+    (-1: skipped), in one call -> the rotated q [T, Hq, D]"""
+    flat = [c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache)]
+    return cpu_kernels().rope_write_kv(q, k, v, cos, sin, *flat, slot_mapping.to(torch.int64))

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import use_cpu_linears
+from eagle_serve.cpu_norm import use_cpu_norms
 from eagle_serve.drafter import Drafter
 from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec
 from eagle_serve.target import load_target_config
@@ -191,6 +192,7 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
     head = _build(ckpt, folder, dtype, device)
     if torch.device(device).type == "cpu":
         use_cpu_linears(head)
+        use_cpu_norms(head)
     embed = ckpt.embed
     if embed is None:
         embed = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])

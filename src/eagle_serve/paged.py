@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from eagle_serve.interfaces import RaggedBatch
+from kernels.cpu import rope_write_kv, rope_write_kv_fits
 from kernels.paged_attention import paged_attention, write_kv
 
 
@@ -54,8 +55,11 @@ def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     q: [T, Hq, D]; k, v: [T, Hkv, D]; cos, sin: [T, R]; window, softcap: 0 = off
     -> [T, Hq * D]
     """
-    q, k = apply_rope(q, k, cos, sin)
-    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    if rope_write_kv_fits(q, k_cache, cos):  # fp32 on CPU: one C++ call (kernels/cpu.cpp)
+        q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
+    else:
+        q, k = apply_rope(q, k, cos, sin)
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens,
                           scale, tree_mask=batch.tree_mask, window=window, softcap=softcap,
                           positions=batch.positions if window > 0 else None,

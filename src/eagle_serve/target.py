@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle_serve.cpu_matmul import CpuLinear, use_cpu_linears
+from eagle_serve.cpu_norm import use_cpu_norms
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
 from eagle_serve.paged import PagedKVCache, paged_attention_step
 from kernels import on
@@ -123,6 +124,7 @@ class TargetModel:
         self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **moe).to(device).eval()
         if self.hf.device.type == "cpu":
             use_cpu_linears(self.hf)  # see cpu_matmul: MKL is slow for 2+ rows here
+            use_cpu_norms(self.hf, plus_one=arch.norm_plus_one)  # one call a norm, not six ops
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype, self.device = dtype, torch.device(device)
         self.vocab_size = cfg.vocab_size

@@ -248,3 +248,23 @@ def test_a_windowed_tree_query_sees_the_last_window_positions_of_its_path_soft_c
     scores = torch.einsum("hd,shd->hs", q[6], keys) * 0.3
     weights = torch.softmax(torch.tanh(scores / cap) * cap, dim=1)
     torch.testing.assert_close(out[6], torch.einsum("hs,shd->hd", weights, values), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="kernels/cpu.cpp needs AVX2, FMA and a compiler")
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (10, 2), (16, 2)],
+                         ids=["no-gqa", "group-4", "group-5", "group-8"])
+def test_the_cpp_attention_of_any_gqa_group_matches_the_reference_and_is_row_invariant(q_heads, kv_heads):
+    """cpu.cpp attends up to four q heads of a kv head together: groups of 1, 4, 5 (4 + 1) and
+    8 (4 + 4) give the reference's results, and a query alone its bits within a verify pass."""
+    gen = torch.Generator().manual_seed(3)
+    page_size, n_q, seq_lens = 16, [1, 5], [37, 29]
+    k_cache, v_cache = (torch.randn(8, page_size, kv_heads, 64, generator=gen) for _ in range(2))
+    tables = torch.tensor([[0, 1, 2], [3, 4, -1]])
+    cu, lens = torch.tensor([0, 1, 6]), torch.tensor(seq_lens)
+    q = torch.randn(6, q_heads, 64, generator=gen)
+    out = paged_attention_rowwise(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, tables, cu, lens, 0.125),
+                               atol=2e-5, rtol=2e-5)
+    alone = paged_attention_rowwise(q[3:4], k_cache, v_cache, tables[1:], torch.tensor([0, 1]),
+                                    torch.tensor([29 - 5 + 3]), 0.125)
+    assert torch.equal(alone[0], out[3])
