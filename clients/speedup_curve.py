@@ -154,6 +154,8 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="concurrent streams per config")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: sampled requests, seeded per prompt (outputs differ by config)")
+    p.add_argument("--unseeded", action="store_true",
+                   help="sampled requests without a seed (as most chat clients send them)")
     p.add_argument("--hf-target", default=str(paths.default_target_dir()),
                    help="the hf config's model folder (the served target's)")
     p.add_argument("--hf-dtype", default="bfloat16", help="the hf config's dtype")
@@ -166,7 +168,7 @@ def main(argv=None) -> None:
     before = source_counts(args.metrics_url) if args.metrics_url else None
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
                       {"temperature": args.temperature} if args.temperature else None,
-                      hf=(args.hf_target, args.hf_dtype))
+                      seeded=not args.unseeded, hf=(args.hf_target, args.hf_dtype))
     if before is not None:
         after = source_counts(args.metrics_url)
         results["accepted_by_source"] = {s: after[s] - before[s] for s in after}

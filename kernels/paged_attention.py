@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels import on, use_kernel
+from kernels.cpu import rope_write_kv_fits
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -167,6 +168,14 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, impl: str | None = None):
     if use_kernel(impl, k_cache):
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def cpu_rope_write_kv_runs(q: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor,
+                           impl: str | None = None) -> bool:
+    """Whether a step's RoPE and KV write run as kernels/cpu.cpp's one call (fp32 on CPU, the
+    kernels built) rather than PyTorch's RoPE and write_kv: not where write_kv runs its Triton
+    kernel, nor where the reference is asked for (impl as in kernels/__init__.py)."""
+    return impl is None and not use_kernel(impl, k_cache) and rope_write_kv_fits(q, k_cache, cos)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,

@@ -9,7 +9,8 @@ request's tree also gets the continuations looked up in its own tokens and in th
 target's answers (eagle_serve.lookup) as extra branches, merged where they agree with the head's;
 a sampled request's head chain gets them too, as one-hot proposals.
 Each request's measured acceptance decides whether drafting pays (`best_chain`, with the costs
-draft_call_cost, draft_step_cost and draft_batch_cost: verify rows cost more in a fuller batch):
+measured on this machine as the server runs (eagle_serve.costs), or the static draft_call_cost,
+draft_step_cost and draft_batch_cost: verify rows cost more in a fuller batch):
 chains take the length it pays for, and a request whose drafts do not pay drafts nothing and
 skips the drafter call until a probe round; beyond max_draft_batch running requests
 (max_sampled_draft_batch for sampled ones) nothing is drafted.
@@ -20,14 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import numpy as np
 import torch
 
 from eagle_serve import staging
+from eagle_serve.costs import MeasuredCosts
 from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.lookup import ContextIndex, CorpusIndex, Proposal
-from eagle_serve.requests import Request, SamplingParams
+from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.verify import DraftWork, sampling_fields
 from eagle_serve.workspace import DraftWorkspace
@@ -54,16 +58,22 @@ class RoundShape:
 CORPUS_MIN_PROB = 0.2
 CONTEXT_MIN_MATCH = 2
 # A request's acceptance estimate starts at ACCEPT_PRIOR, counted as PRIOR_WEIGHT reached drafts;
-# a request whose drafts do not pay drafts nothing, and one draft again after PROBE_EVERY rounds.
-ACCEPT_PRIOR, PRIOR_WEIGHT, PROBE_EVERY = 0.5, 4.0, 4
+# a request whose drafts do not pay drafts nothing, and one draft again after PROBE_EVERY rounds
+# (twice as long after each probe that did not pay, up to MAX_PROBE_WAIT rounds).
+ACCEPT_PRIOR, PRIOR_WEIGHT, PROBE_EVERY, MAX_PROBE_WAIT = 0.5, 4.0, 4, 32
+# With measured costs a chain must promise this much more than plain decoding (a share of its
+# speed): acceptance estimates are noisy and a round has costs no timer sees, and a draft that
+# only breaks even loses whenever the estimate was high.
+MEASURED_MARGIN = 0.1
 
 
-def best_chain(rate: float, max_depth: int, call_cost: float, step_cost: float) -> int:
+def best_chain(rate: float, max_depth: int, call_cost: float, step_cost: float,
+               margin: float = 0.0) -> int:
     """The chain length in [0, max_depth] with the most expected tokens per unit of cost: with d
     drafts, each accepted with probability `rate` once those before it were, a round emits
     1 + rate + ... + rate^d tokens and costs 1 + call_cost + d * step_cost plain rounds
-    (d = 0: one plain round)."""
-    best, best_gain, tokens, cost = 0, 1.0, 1.0, 1.0 + call_cost
+    (d = 0: one plain round); a chain is chosen only above 1 + margin tokens per plain round."""
+    best, best_gain, tokens, cost = 0, 1.0 + margin, 1.0, 1.0 + call_cost
     for d in range(1, max_depth + 1):
         tokens, cost = tokens + rate ** d, cost + step_cost
         if tokens / cost > best_gain:
@@ -74,6 +84,7 @@ def best_chain(rate: float, max_depth: int, call_cost: float, step_cost: float) 
 class DraftPolicy:
     def __init__(self, config: EngineConfig, corpus: CorpusIndex | None = None):
         self.config, self.corpus = config, corpus
+        self.costs = MeasuredCosts()  # the engine and propose_drafts record into it
 
     def default_k(self, params: SamplingParams, has_drafter: bool) -> int:
         if not has_drafter:
@@ -173,7 +184,7 @@ class DraftPolicy:
         `depth` (`best_chain`; the drafter call's cost is shared by the running requests, and
         each draft costs more the more requests run), a tree all or
         nothing (its confidence limits already prune it). A request drafting nothing drafts one
-        again after PROBE_EVERY rounds, to measure again. A request that sets its draft_depth
+        again after a while (`_probe`), to measure again. A request that sets its draft_depth
         gets that depth. Nothing is drafted while more than max_draft_batch requests run
         (sampled requests: max_sampled_draft_batch), and a request's load is `_load`'s."""
         cfg = self.config
@@ -184,22 +195,51 @@ class DraftPolicy:
         if depth == 0 or fixed or not (cfg.draft_call_cost or cfg.draft_step_cost):
             return depth
         tree = req.topk > 1 and self._trees_allowed(batch_size)
-        # One drafter call serves every drafting request of the round, so each bears a share of
-        # it; verify rows, in turn, cost more in a fuller batch.
-        call_cost = cfg.draft_call_cost / load
-        step_cost = cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1)
         rate = req.acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
-        best = best_chain(rate, 1 if tree else depth, call_cost, step_cost)
+        best = best_chain(rate, 1 if tree else depth, *self._costs(req, load))
         if best == 0:
-            return 1 if req.acceptance.idle_rounds >= PROBE_EVERY else 0
+            return _probe(req.acceptance)
+        req.acceptance.probes = 0
         return depth if tree else best
+
+
+    def _costs(self, req: Request, load: int) -> tuple[float, float, float]:
+        """(drafter call, one draft, margin) as shares of a plain round for this request:
+        measured on this machine (eagle_serve.costs) once enough rounds ran, with
+        MEASURED_MARGIN; else the static settings (one drafter call serves every drafting
+        request of the round, so each bears a share of it; verify rows cost more in a fuller
+        batch). A seeded rejection-sampled request always gets the static ones, so its drafts
+        never depend on timings."""
+        cfg = self.config
+        measured = None
+        if cfg.measured_draft_costs and not _seeded_rejection(req):
+            measured = self.costs.shares(load)
+        if measured is not None:
+            return measured.call, measured.step, MEASURED_MARGIN
+        return cfg.draft_call_cost / load, cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1), 0.0
+
+
+def _probe(record: AcceptanceRecord) -> int:
+    """A request whose drafts do not pay: 1 (one probe draft, to measure again) once it has
+    been idle PROBE_EVERY rounds, doubled after each probe that did not pay (up to
+    MAX_PROBE_WAIT), else 0. Called once a round."""
+    if record.idle_rounds < min(PROBE_EVERY << record.probes, MAX_PROBE_WAIT):
+        return 0
+    record.probes += 1
+    return 1
+
+
+def _seeded_rejection(req: Request) -> bool:
+    """A seeded request verified by rejection sampling: its output depends on its drafts, so
+    they must depend on its own history only (a coupled one's output does not depend on its
+    drafts at all)."""
+    return not req.matched and req.params.seed is not None
 
 
 def _load(req: Request, batch_size: int) -> int:
     """The batch size a request's policy sees: a seeded rejection-sampled request is costed as
-    if alone, so that its output depends on its own history only, not on other traffic (a
-    coupled one's output does not depend on its drafts at all)."""
-    return 1 if not req.matched and req.params.seed is not None else batch_size
+    if alone, so that its output depends on its own history only, not on other traffic."""
+    return 1 if _seeded_rejection(req) else batch_size
 
 
 def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftPolicy,
@@ -209,7 +249,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
     branches. A request whose round drafts nothing from the head skips the call: its features
     wait in `undrafted` for its next drafting round. The drafts (and sampled requests' draft
     probabilities) go into the request."""
-    cfg = policy.config
+    cfg, start = policy.config, time.perf_counter()
     lefts = [min(w.req.params.max_tokens - len(w.req.output) - 1,
                  cfg.max_model_len - len(w.req.tokens)) for w in work]
     shapes = [policy.round_shape(w.req, left, batch_size) for w, left in zip(work, lefts)]
@@ -254,6 +294,8 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
     if stores:
         workspace.store([s for slots, _ in stores for s in slots], torch.cat([q for _, q in stores]))
+    if called:  # what the round's drafting took: the call, and the policy's work around it
+        policy.costs.record_drafter(time.perf_counter() - start)
 
 
 def _read_drafts(out) -> tuple[list[list[int]], list[list[int]] | None]:

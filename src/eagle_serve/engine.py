@@ -26,6 +26,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 import uuid
 from collections import deque
 
@@ -153,9 +154,12 @@ class Engine:
                                            self.config.eos_token_ids)
             extra = {"kv_moves": vb.kv_moves} if vb.kv_moves else {}
             extra |= {"ban": vb.ban} if vb.ban else {}
+            start = time.perf_counter()
             result = self.target.forward(vb.batch, vb.logit_rows, vb.sampling, **extra)
             self.stats.steps += 1
             verdicts = verify.accept(result, vb, self.workspace, self.target.vocab_size, self.device)
+            if all(r.num_real == 1 for r in vb.rows):  # decode/verify rows only: the draft costs
+                self.policy.costs.record_target(vb.batch.input_ids.shape[0], time.perf_counter() - start)
             work = verify.advance(result, vb, verdicts, self.target_pool, self.workspace,
                                   self.stats, self.config.eos_token_ids)
         except KVLost:  # tokens verified so far stand; all KV is recomputed

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from eagle_serve.interfaces import RaggedBatch
-from kernels.cpu import rope_write_kv, rope_write_kv_fits
-from kernels.paged_attention import paged_attention, write_kv
+from kernels.cpu import rope_write_kv
+from kernels.paged_attention import cpu_rope_write_kv_runs, paged_attention, write_kv
 
 
 class PagedKVCache:
@@ -55,7 +55,7 @@ def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     q: [T, Hq, D]; k, v: [T, Hkv, D]; cos, sin: [T, R]; window, softcap: 0 = off
     -> [T, Hq * D]
     """
-    if rope_write_kv_fits(q, k_cache, cos):  # fp32 on CPU: one C++ call (kernels/cpu.cpp)
+    if cpu_rope_write_kv_runs(q, k_cache, cos):  # fp32 on CPU: one C++ call (kernels/cpu.cpp)
         q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
     else:
         q, k = apply_rope(q, k, cos, sin)

@@ -28,6 +28,7 @@ class AcceptanceRecord:
     reached: float = 0.0
     accepted: float = 0.0
     idle_rounds: int = 0            # verified rounds in a row without drafts
+    probes: int = 0                 # probe drafts since its drafts last paid (drafting._probe)
 
     DECAY = 0.9                     # per drafting round: recent rounds count most
 

@@ -78,6 +78,9 @@ class ServingSettings:
     #                                            a while (both 0 = fixed shapes, never off)
     draft_batch_cost: float = 0.08             # added to draft_step_cost per further running
     #                                            request (verify rows stop being free)
+    measured_draft_costs: bool = True          # once measured, the drafter call's and a verify
+    #                                            row's cost on this machine replace the three
+    #                                            above (not for seeded rejection-sampled requests)
     max_draft_batch: int = 4                   # no drafting while more requests run (seeded
     #                                            sampled ones excepted); 0 = no limit
     max_sampled_draft_batch: int = 1           # the same for sampled requests (their verify
@@ -184,6 +187,7 @@ class EngineConfig:
     draft_call_cost: float
     draft_step_cost: float
     draft_batch_cost: float
+    measured_draft_costs: bool
     max_draft_batch: int
     max_sampled_draft_batch: int
     lookup_tokens: int

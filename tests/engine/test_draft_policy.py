@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from eagle_serve.drafting import PROBE_EVERY, DraftPolicy, best_chain
+from eagle_serve.drafting import MAX_PROBE_WAIT, PROBE_EVERY, DraftPolicy, best_chain
 from eagle_serve.lookup import CONTEXT
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
@@ -40,6 +40,7 @@ def test_the_best_chain_has_the_most_expected_tokens_per_unit_of_cost():
         assert gain(best) == max(gain(d) for d in range(depth + 1))
     assert best_chain(0.0, 4, 0.1, 0.16) == 0
     assert best_chain(0.99, 4, 0.0, 0.01) == 4
+    assert best_chain(0.45, 1, 0.2, 0.2) == 1 and best_chain(0.45, 1, 0.2, 0.2, margin=0.1) == 0
 
 
 def test_acceptance_estimates_follow_the_recent_rounds():
@@ -85,6 +86,21 @@ def test_a_sampled_chain_shortens_and_stops_as_its_acceptance_falls_and_probes_a
     fixed = policy_request(policy, SamplingParams(temperature=0.7, draft_depth=2))
     fixed.acceptance = req.acceptance
     assert policy.round_shape(fixed, 100, 1).nodes == 2  # an explicit depth is kept
+
+
+def test_probes_of_a_request_whose_drafts_never_pay_come_ever_less_often():
+    policy = DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1))
+    req = policy_request(policy, SamplingParams(temperature=0.7))
+    probed = []
+    for round_ in range(1, 160):
+        if policy.round_shape(req, 100, 1).nodes:
+            probed.append(round_)
+            req.acceptance.observe(offered=1, accepted=0)
+        else:
+            req.acceptance.idle_rounds += 1
+    waits = [b - a for a, b in zip([0] + probed, probed)]
+    assert waits[:4] == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, 8 * PROBE_EVERY + 1]
+    assert set(waits[4:]) == {MAX_PROBE_WAIT + 1}
 
 
 def test_requests_that_share_a_drafter_call_draft_where_one_alone_would_not():

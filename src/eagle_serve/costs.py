@@ -1,0 +1,74 @@
+"""What drafting costs on the machine the server runs on, measured while it runs.
+
+The draft policy weighs a request's expected accepted tokens against what its drafts cost: the
+drafter call of the round and one more verify row per draft, as shares of a plain decoding
+round. Those shares differ several-fold between machines (a verify row is nearly free where the
+target forward is bound by memory or by per-op overhead, and costs a few percent of a step where
+it is bound by arithmetic: fp32 on an AVX2 CPU), so the engine measures them: the wall time of
+each decode/verify target call by its row count, and of each drafter call. `shares` fits the
+target's time as a line in the row count (least squares over the row counts seen, each its
+exponential moving average) and returns, for a batch of B requests:
+
+    call = drafter call / plain round         (the call serves the round: each drafting request's
+                                               tokens pay for all of it, as its round waits on it)
+    step = slope x B / plain round            (a row of one request delays all B requests)
+
+where the plain round is the target call for B rows. Until enough has been measured the policy
+uses the static settings. Seeded rejection-sampled requests always use the static settings, so
+their drafts, and so their output, never depend on timings (see drafting._load).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMOOTHING = 0.2      # weight of a new sample in a row count's moving average
+MIN_CALLS = 8        # drafter calls measured before the measured shares are used
+MIN_ROW_COUNTS = 2   # distinct target row counts measured (a slope needs two)
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """What drafting adds to a round, as shares of a plain decoding round."""
+    call: float      # the drafter call
+    step: float      # one more verify row (one draft) of one request
+
+
+class MeasuredCosts:
+    def __init__(self):
+        self.target: dict[int, float] = {}   # rows -> moving average of the call's seconds
+        self.drafter: float | None = None    # moving average of a drafter call's seconds
+        self.drafter_calls = 0
+
+    @staticmethod
+    def _average(old: float | None, new: float) -> float:
+        return new if old is None else old + SMOOTHING * (new - old)
+
+    def record_target(self, rows: int, seconds: float) -> None:
+        """A decode/verify target call of `rows` rows (no prefill in it) took `seconds`."""
+        self.target[rows] = self._average(self.target.get(rows), seconds)
+
+    def record_drafter(self, seconds: float) -> None:
+        self.drafter = self._average(self.drafter, seconds)
+        self.drafter_calls += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the target's seconds against its row count, or None."""
+        if len(self.target) < MIN_ROW_COUNTS:
+            return None
+        n = len(self.target)
+        mean_r = sum(self.target) / n
+        mean_t = sum(self.target.values()) / n
+        var = sum((r - mean_r) ** 2 for r in self.target)
+        slope = sum((r - mean_r) * (t - mean_t) for r, t in self.target.items()) / var
+        return mean_t - slope * mean_r, slope
+
+    def shares(self, batch_size: int) -> DraftCosts | None:
+        """The costs of drafting in a round of `batch_size` requests, or None until measured."""
+        fit = self.line()
+        if fit is None or self.drafter is None or self.drafter_calls < MIN_CALLS:
+            return None
+        intercept, slope = fit
+        plain = self.target.get(batch_size, intercept + slope * batch_size)
+        if plain <= 0:
+            return None
+        return DraftCosts(call=self.drafter / plain, step=max(slope, 0.0) * batch_size / plain)

@@ -1,0 +1,95 @@
+"""Draft costs measured on the running machine (eagle_serve.costs): the target's time as a line in
+its row count and the drafter call's time become the policy's shares of a plain round, so dear
+verify rows stop a busy batch from drafting and cheap ones let it draft; seeded rejection-sampled
+requests keep the static costs; the engine records its calls, and its output stays exact."""
+from __future__ import annotations
+
+import pytest
+
+from eagle_serve.costs import MIN_CALLS, MeasuredCosts
+from eagle_serve.drafting import DraftPolicy
+from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
+from eagle_serve.settings import EngineConfig
+from eagle_serve.testing import tiny_engine
+
+
+def measured(intercept: float, slope: float, drafter: float, rows=range(1, 10)) -> MeasuredCosts:
+    costs = MeasuredCosts()
+    for _ in range(3):
+        for r in rows:
+            costs.record_target(r, intercept + slope * r)
+    for _ in range(MIN_CALLS):
+        costs.record_drafter(drafter)
+    return costs
+
+
+def test_nothing_is_measured_until_enough_drafter_calls_and_two_row_counts():
+    costs = MeasuredCosts()
+    for _ in range(20):
+        costs.record_target(4, 0.04)
+    for _ in range(MIN_CALLS):
+        costs.record_drafter(0.01)
+    assert costs.shares(4) is None  # one row count: no slope
+    costs.record_target(6, 0.05)
+    assert costs.shares(4) is not None
+    assert measured(0.03, 0.002, 0.01, rows=[1, 2]).shares(1) is not None
+    few = MeasuredCosts()
+    few.record_target(1, 0.03)
+    few.record_target(2, 0.032)
+    few.record_drafter(0.01)
+    assert few.shares(1) is None  # one drafter call
+
+
+def test_the_shares_are_the_drafter_call_and_a_row_of_every_request_against_the_plain_round():
+    costs = measured(0.030, 0.002, 0.009)
+    intercept, slope = costs.line()
+    assert intercept == pytest.approx(0.030) and slope == pytest.approx(0.002)
+    plain = 0.030 + 0.002 * 4
+    shares = costs.shares(4)
+    assert shares.call == pytest.approx(0.009 / plain)
+    assert shares.step == pytest.approx(0.002 * 4 / plain)
+    assert costs.shares(12).call == pytest.approx(0.009 / (0.030 + 0.002 * 12))  # off the line
+
+
+def request(policy: DraftPolicy, params: SamplingParams, rate_in_100: int) -> Request:
+    k = policy.default_k(params, True)
+    req = Request("r", 4, params, k, 0, None, [1, 2, 3, 4])
+    req.topk, req.depth = policy.request_shape(params, k)
+    req.acceptance = AcceptanceRecord(reached=100, accepted=rate_in_100)
+    return req
+
+
+def test_dear_verify_rows_stop_a_busy_batch_drafting_where_the_static_costs_would_draft():
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0))
+    greedy = request(policy, SamplingParams(), 42)  # chains in a batch of 4
+    assert policy.round_shape(greedy, 100, 4).nodes == 1  # static: one draft pays
+    policy.costs = measured(0.032, 0.0023, 0.010)  # fp32 on a 2-core AVX2 CPU, roughly
+    assert policy.round_shape(greedy, 100, 4).nodes == 0
+    policy.costs = measured(0.032, 0.0001, 0.001)  # rows and drafter nearly free
+    assert policy.round_shape(greedy, 100, 4).nodes >= 2
+    policy.config = EngineConfig.served(max_draft_batch=0, measured_draft_costs=False)
+    assert policy.round_shape(greedy, 100, 4).nodes == 1  # switched off: static again
+
+
+def test_a_seeded_rejection_sampled_request_drafts_the_same_whatever_the_timings():
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0))
+    seeded = request(policy, SamplingParams(temperature=0.7, seed=3), 42)
+    unseeded = request(policy, SamplingParams(temperature=0.7), 42)
+    shapes = []
+    for costs in (MeasuredCosts(), measured(0.032, 0.0023, 0.010), measured(0.032, 0.0001, 0.001)):
+        policy.costs = costs
+        shapes.append([policy.round_shape(r, 100, b).nodes for r in (seeded, unseeded) for b in (1, 4)])
+    assert len({s[0] for s in shapes}) == 1 and len({s[1] for s in shapes}) == 1  # seeded
+    assert len({s[3] for s in shapes}) > 1  # an unseeded one follows the timings
+
+
+def test_the_engine_measures_its_calls_and_greedy_output_stays_exact(tiny_target, eagle3_head,
+                                                                      prompts, hf_greedy):
+    engine = tiny_engine(tiny_target, eagle3_head, measured_draft_costs=True, draft_call_cost=0.2,
+                         draft_step_cost=0.05, max_running=4)
+    params = [SamplingParams(max_tokens=24, num_speculative_tokens=4)] * 4
+    results = engine.generate(prompts[:4], params)
+    assert [r.token_ids for r in results] == [hf_greedy(p, 24) for p in prompts[:4]]
+    costs = engine.policy.costs
+    assert len(costs.target) >= 2 and costs.drafter_calls > 0
+    assert all(seconds > 0 for seconds in costs.target.values())
