@@ -1,6 +1,7 @@
 """Triton-language kernels for the speculative-decoding hot paths, each beside its PyTorch
 reference (the reference is the specification; the kernel must agree with it), and C++ kernels
-for CPUs with AVX2 (cpu.cpp, loaded by cpu.py): the row-invariant fp32 linear and attention.
+for CPUs with AVX2 (cpu.cpp, loaded by cpu.py): the row-invariant fp32 linear and attention,
+and fp32's RMSNorm and RoPE + KV write.
 
 Every public function takes `impl`: None runs the kernel on CUDA tensors and the reference on
 CPU tensors; "triton" forces the kernel (on CPU this needs TRITON_INTERPRET=1 set before triton

@@ -1,6 +1,8 @@
 """Row-invariant C++ kernels for CPUs with AVX2 and FMA (cpu.cpp): the fp32 linear that
-eagle_serve.cpu_matmul runs, and the attention of each verify/decode query over exactly its own
-keys that paged_attention_rowwise runs. Each output element is computed by one instruction
+eagle_serve.cpu_matmul runs, the attention of each verify/decode query over exactly its own
+keys that paged_attention_rowwise runs, and, for fp32, the RMSNorm of eagle_serve.cpu_norm and
+the RoPE + KV cache write of eagle_serve.paged in one call each (PyTorch runs each as several
+small ops, each paying its dispatch). Each output element is computed by one instruction
 sequence whatever the other rows and threads, so a verify row gets its decode step's bits by
 construction (no library offers that on CPU: MKL and oneDNN choose their kernel by row count,
 SDPA by shape). Compiled once per machine by torch.utils.cpp_extension into torch's extension
@@ -33,7 +35,8 @@ def cpu_kernels():
 
     try:
         return load("eagle_cpu_kernels", [str(Path(__file__).with_name("cpu.cpp"))],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, ...: the PyTorch paths still work
         warnings.warn(f"the CPU kernels (kernels/cpu.cpp) did not build, using PyTorch's: {e}")
         return None

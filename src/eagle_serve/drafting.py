@@ -19,9 +19,8 @@ depend on the policy, so whatever is drafted, the output is the target's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -201,7 +200,6 @@ class DraftPolicy:
             return _probe(req.acceptance)
         req.acceptance.probes = 0
         return depth if tree else best
-
 
     def _costs(self, req: Request, load: int) -> tuple[float, float, float]:
         """(drafter call, one draft, margin) as shares of a plain round for this request:
