@@ -24,9 +24,12 @@ def supervised(tmp_path, tiny_models):
 
 
 def long_stream(proc, out: dict) -> threading.Thread:
+    """A long greedy stream that calls the drafter every round (a fixed draft depth: the draft
+    policy would otherwise stop calling a random tiny head whose drafts do not pay)."""
     def run():
         out["result"] = grpc_generate(proc.grpc, "Tell me a long story.", model="spec_decode",
-                                      max_tokens=1500, ignore_eos=True, stream=True, timeout_s=120)
+                                      max_tokens=1500, ignore_eos=True, stream=True, timeout_s=120,
+                                      num_speculative_tokens=2, draft_topk=1, draft_depth=2)
         out["at"] = time.monotonic()
     thread = threading.Thread(target=run)
     thread.start()
