@@ -15,7 +15,7 @@ exponential moving average) and returns, for a batch of B requests:
 
 where the plain round is the target call for B rows. Until enough has been measured the policy
 uses the static settings. Seeded rejection-sampled requests always use the static settings, so
-their drafts, and so their output, never depend on timings (see drafting._load).
+their drafts, and so their output, never depend on timings (see drafting._seeded_rejection).
 """
 from __future__ import annotations
 
