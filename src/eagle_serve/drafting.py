@@ -29,7 +29,7 @@ from eagle_serve import staging
 from eagle_serve.costs import MeasuredCosts
 from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.lookup import ContextIndex, CorpusIndex, Proposal
+from eagle_serve.lookup import HEAD, ContextIndex, CorpusIndex, Proposal
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.verify import DraftWork, sampling_fields
@@ -280,7 +280,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
             row += 1
         else:
             req.undrafted.append(w.features)
-        sources = ["eagle"] * len(drafts)
+        sources = [HEAD] * len(drafts)
         budget, num_head = req.lookup_budget, len(drafts)
         for branch in policy.lookups(req, left, batch_size, first_path(drafts, parents)):
             budget -= merge_branch(drafts, parents, sources, branch, budget)

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+HEAD = "eagle"                         # the drafter's own drafts
 CONTEXT = "context"
 CORPUS = "corpus"
-SOURCES = ("eagle", CONTEXT, CORPUS)   # every draft node has one; "eagle" = the head
+SOURCES = (HEAD, CONTEXT, CORPUS)      # every draft node has one
 
 
 @dataclass(frozen=True)

@@ -138,19 +138,25 @@ def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_sampled_requests
     assert policy.round_shape(greedy, 100, 4).nodes > 0
 
 
+@pytest.mark.parametrize("lookup_tokens", [0, 4])
 def test_a_request_whose_drafts_do_not_pay_skips_the_drafter_between_probes_and_stays_exact(
-        tiny_target, eagle3_head, prompts, hf_greedy):
+        tiny_target, eagle3_head, prompts, hf_greedy, lookup_tokens):
+    """Its head is probed again even where its context lookups draft every round (prompts
+    that repeat themselves): the policy follows the head's own drafts."""
     # A drafter call costs two plain rounds here: one draft can never pay, so only probes draft.
     engine = tiny_engine(tiny_target, eagle3_head, draft_call_cost=2.0, draft_step_cost=0.1,
-                         max_running=4)
+                         max_running=4, lookup_tokens=lookup_tokens)
     calls = record_drafter_calls(engine)
     params = [SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=4)] * 4
-    results = engine.generate(prompts[:4], params)
-    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts[:4]]
+    prompts = [p[:6] * 3 for p in prompts[:4]] if lookup_tokens else prompts[:4]
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == [hf_greedy(p, MAX_TOKENS) for p in prompts]
+    assert (engine.stats.draft_tokens_by_source[CONTEXT] > 0) == (lookup_tokens > 0)
     rounds = max(r.last.num_rounds for r in results)
     assert 0 < len(calls) <= rounds // PROBE_EVERY + 1   # probes only
-    assert all(n == 1 for call in calls for n in call)   # a probe drafts one
-    assert engine.stats.drafts == sum(len(call) for call in calls)
+    assert all(n == 1 for call in calls for n in call), calls   # a probe drafts one
+    head_rounds = sum(len(call) for call in calls)   # lookups alone draft in the other rounds
+    assert engine.stats.drafts == head_rounds if not lookup_tokens else engine.stats.drafts > head_rounds
     assert engine.idle_counts() == {"target_pages_free": 256, "drafter_pages_free": 256,
                                     "draft_slots_free": 128}
 
