@@ -180,12 +180,12 @@ def cpu_rope_write_kv_runs(q: torch.Tensor, k_cache: torch.Tensor, cos: torch.Te
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                     impl: str | None = None, tree_mask=None, window: int = 0, softcap: float = 0.0,
-                    positions=None, max_q: int | None = None):
+                    positions=None, max_q: int | None = None, plans: dict | None = None):
     """Dispatch on q's device (impl as in kernels/__init__.py); CPU tensors in bf16/fp16, and in
     fp32 where kernels/cpu.cpp runs them, take the row-invariant path (their linears are
     row-invariant too: see eagle_serve.cpu_matmul); float64 (the exactness tests) the reference.
     max_q: the most new tokens of a request, if the caller knows it (else the kernel's launcher
-    reads it from cu_seqlens_q: a host sync on a GPU)."""
+    reads it from cu_seqlens_q: a host sync on a GPU); plans: as paged_attention_rowwise's."""
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, tree_mask, window,
             softcap, positions)
     if use_kernel(impl, q):
@@ -195,7 +195,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
 
     if impl is None and (q.dtype in (torch.bfloat16, torch.float16)
                          or q.dtype == torch.float32 and cpu_attend_fits(k_cache)):
-        return paged_attention_rowwise(*args)
+        return paged_attention_rowwise(*args, plans=plans)
     return paged_attention_ref(*args)
 
 

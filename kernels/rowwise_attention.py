@@ -6,6 +6,7 @@ windows as kernels.paged_attention's docstring says.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -20,9 +21,12 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
                             tree_mask: torch.Tensor | None = None, window: int = 0,
-                            softcap: float = 0.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+                            softcap: float = 0.0, positions: torch.Tensor | None = None,
+                            plans: dict | None = None) -> torch.Tensor:
     """As paged_attention_ref, but each decode/verify query attends alone, unmasked, over
     exactly the keys it sees (its context, then its ancestors in depth order for a tree).
+    plans: where the forward's layers share what they plan from the call's metadata (see
+    RaggedBatch.plans; None: planned for this call alone).
 
     A batched call's result for a query depends on the other queries and masked keys of the call
     (measured on CPU with SDPA: 36/40 fp32 and 8/40 bf16 results change when masked keys are
@@ -30,7 +34,7 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Here the query of a verified position gets exactly the computation a one-token decode step
     at that position makes, so the result does not depend on the batch. The math runs in fp32:
     on CPUs with AVX2, one call of kernels/cpu.cpp's `attend` for all queries of a layer (each
-    query walks its own list of key slots, built once per forward by `_query_slots`); elsewhere
+    query walks its own list of key slots, planned once per forward: `_plan`); elsewhere
     `_attend_in_python`, per query. A prefill (a request's first forward: all its tokens new) of
     more than ROWWISE_MAX_QUERIES tokens goes through the batched reference on its own; every
     other request is row-invariant whatever its number of new tokens (a verify pass of a large
@@ -38,23 +42,21 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     positions 0 .. its own), so a sliding window keeps the last `window` of them: what a decode
     step there keeps. Shapes as paged_attention_ref.
     """
-    page_size, kv_heads, head_dim = k_cache.shape[1:]
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    plan = _plan(cu_seqlens_q, seq_lens, block_tables, tree_mask, k_cache.shape[1],
+                 cpu_attend_fits(k_cache), plans)
     q32 = (q.float() * scale).contiguous()  # [T, Hq, D]
-    if cpu_attend_fits(k_cache):
-        slots, starts = _query_slots(cu, lens, tree_mask, block_tables, page_size)
-        out32 = cpu_attend(q32, k_cache, v_cache, slots, starts, window, softcap)
+    if plan.slots is not None:
+        out32 = cpu_attend(q32, k_cache, v_cache, plan.slots, plan.starts, window, softcap)
     else:
-        out32 = _attend_in_python(q32, k_cache, v_cache, block_tables, cu, lens,
-                                  _rowwise_queries(cu, lens, tree_mask), window, softcap)
-    for b, ctx_len in enumerate(lens):
-        start, n = cu[b], cu[b + 1] - cu[b]
-        if _is_prefill(n, ctx_len):
-            mask = None if tree_mask is None else tree_mask[b:b + 1]
-            pos = None if positions is None else positions[start:start + n]
-            out32[start:start + n] = paged_attention_ref(  # exact: back to q's dtype below
-                q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
-                cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask, window, softcap, pos)
+        out32 = _attend_in_python(q32, k_cache, v_cache, block_tables, plan.cu, plan.lens,
+                                  plan.queries, window, softcap)
+    for b in plan.prefills:
+        start, n = plan.cu[b], plan.cu[b + 1] - plan.cu[b]
+        mask = None if tree_mask is None else tree_mask[b:b + 1]
+        pos = None if positions is None else positions[start:start + n]
+        out32[start:start + n] = paged_attention_ref(  # exact: back to q's dtype below
+            q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
+            cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask, window, softcap, pos)
     return out32.to(q.dtype)
 
 
@@ -104,22 +106,44 @@ def _attend_in_python(q32, k_cache, v_cache, block_tables, cu, lens, queries, wi
     return out32.view(q32.shape[0], -1, head_dim)
 
 
-_SLOT_PLAN: list = [None]  # [(key, plan)]: every layer of a forward asks for the same plan
+@dataclass(frozen=True)
+class _Plan:
+    """What every layer of one forward shares, built from the call's metadata once."""
+    cu: list[int]                  # cu_seqlens_q
+    lens: list[int]                # seq_lens
+    prefills: list[int]            # requests whose queries take the batched reference
+    queries: list                  # _rowwise_queries'
+    slots: torch.Tensor | None     # cpu.cpp's `attend`: query t's keys are the cache slots
+    starts: torch.Tensor | None    # slots[starts[t]:starts[t + 1]] ([S], [T + 1]); None: not run
 
 
-def _query_slots(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None,
-                 block_tables: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+          tree_mask: torch.Tensor | None, page_size: int, with_slots: bool,
+          plans: dict | None) -> _Plan:
+    """The call's _Plan; `plans` (a batch's RaggedBatch.plans) keeps it for the other layers of
+    the forward."""
+    key = (page_size, with_slots)
+    if plans is not None and key in plans:
+        return plans[key]
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    queries = _rowwise_queries(cu, lens, tree_mask)
+    prefills = [b for b, ctx_len in enumerate(lens) if _is_prefill(cu[b + 1] - cu[b], ctx_len)]
+    slots = starts = None
+    if with_slots:
+        slots, starts = _query_slots(cu, lens, queries, block_tables, page_size)
+    plan = _Plan(cu, lens, prefills, queries, slots, starts)
+    if plans is not None:
+        plans[key] = plan
+    return plan
+
+
+def _query_slots(cu: list[int], lens: list[int], queries: list, block_tables: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_rowwise_queries`' key lists as cache slots for cpu.cpp's `attend`: slots [S] int64,
     starts [T + 1] (query t's keys are slots[starts[t]:starts[t + 1]], in order; none for a
-    prefill's queries, which the reference computes). Built once per forward (keyed by the
-    contents, as _rowwise_queries)."""
-    key = (_queries_key(cu, lens, tree_mask), block_tables.numpy().tobytes(), page_size)
-    cached = _SLOT_PLAN[0]  # one read: another thread may replace it
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    prefill's queries, which the reference computes)."""
     tables, lists, lengths = block_tables.tolist(), [], [0] * cu[-1]
-    for b, rows in enumerate(_rowwise_queries(cu, lens, tree_mask)):
-        if _is_prefill(cu[b + 1] - cu[b], lens[b]):
+    for b, rows in enumerate(queries):
+        if not rows:  # a prefill, or no new tokens
             continue
         pos = torch.arange(lens[b])
         request = torch.tensor(tables[b], dtype=torch.int64)[pos // page_size] * page_size + pos % page_size
@@ -128,32 +152,21 @@ def _query_slots(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None,
             lengths[cu[b] + i] = length
     slots = torch.cat(lists) if lists else torch.zeros(0, dtype=torch.int64)
     starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
-    _SLOT_PLAN[0] = (key, (slots, starts))
     return slots, starts
-
-
-_QUERY_PLAN: list = [None]  # [(key, plan)]: every layer of a forward asks for the same plan
-
-
-def _queries_key(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None) -> tuple:
-    mask = None if tree_mask is None else tree_mask.to("cpu", torch.bool)
-    return tuple(cu), tuple(lens), None if mask is None else (mask.shape, mask.numpy().tobytes())
 
 
 def _rowwise_queries(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None) -> list:
     """Per request, (query i, key count L, gather) for each query: a chain query or a tree
     query whose path is new tokens 0..d-1 reads the first L keys in place (gather None); any
-    other tree query reads [context, its path] through `gather`, a [L] index. Computed once per
-    forward (the key includes the mask's contents, so a reused tensor cannot alias)."""
-    key = _queries_key(cu, lens, tree_mask)
-    cached = _QUERY_PLAN[0]  # one read: another thread may replace it
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    other tree query reads [context, its path] through `gather`, a [L] index. A prefill has
+    none listed (the batched reference computes its queries)."""
     mask = None if tree_mask is None else tree_mask.to("cpu", torch.bool)
     plan = []
     for b, ctx_len in enumerate(lens):
         n = cu[b + 1] - cu[b]
         prefix, rows = ctx_len - n, []
+        if _is_prefill(n, ctx_len):
+            n = 0
         seen = None if mask is None else mask[b, :n, :n].tolist()
         for i in range(n):
             path = list(range(i + 1)) if seen is None else [j for j in range(i + 1) if seen[i][j]]
@@ -162,7 +175,6 @@ def _rowwise_queries(cu: list[int], lens: list[int], tree_mask: torch.Tensor | N
                 gather = torch.tensor(list(range(prefix)) + [prefix + j for j in path])
             rows.append((i, prefix + len(path), gather))
         plan.append(rows)
-    _QUERY_PLAN[0] = (key, plan)
     return plan
 
 

@@ -7,7 +7,7 @@ tables; the models own the KV tensors and write where the slot mapping says.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -42,6 +42,9 @@ class RaggedBatch:
     tree_mask: torch.Tensor | None = None  # [B, Qt, Qt] bool, Qt >= every n_b; None = causal
     max_query_len: int | None = None  # the largest n_b, known on the host (None: read from
     #                                   cu_seqlens where needed, a host sync on a GPU)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)  # what the attention
+    #                                   kernels plan from the fields above at a forward's first
+    #                                   layer, for the others (fields are never changed)
 
     @classmethod
     def staged(cls, fields: dict[str, torch.Tensor], max_query_len: int) -> "RaggedBatch":

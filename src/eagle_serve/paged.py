@@ -63,5 +63,5 @@ def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens,
                           scale, tree_mask=batch.tree_mask, window=window, softcap=softcap,
                           positions=batch.positions if window > 0 else None,
-                          max_q=batch.max_query_len)
+                          max_q=batch.max_query_len, plans=batch.plans)
     return out.reshape(q.shape[0], -1)

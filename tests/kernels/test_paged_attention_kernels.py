@@ -152,6 +152,28 @@ def test_row_invariant_attention_matches_the_reference(name, rowwise_path):
                                paged_attention_ref(*batch, scale, tree_mask=tree), atol=2e-5, rtol=2e-5)
 
 
+def test_the_layers_of_a_forward_share_one_plan_and_get_the_results_of_planning_alone(
+        rowwise_path, monkeypatch):
+    """A batch's plans (RaggedBatch.plans) are built at its first layer's call; the other layers
+    reuse them, with the same results as a call planned alone."""
+    n_q, seq_lens = [7, 1, 5, 0, 3], [30, 9, 5, 4, 13]
+    q, k_cache, v_cache, tables, cu, lens = make_batch(n_q, seq_lens, page_size=5, seed=2)
+    tree, scale = tree_masks(n_q), HEAD_DIM ** -0.5
+    built = []
+    monkeypatch.setattr(rowwise_module, "_rowwise_queries",
+                        lambda *a, f=rowwise_module._rowwise_queries: built.append(1) or f(*a))
+    plans = {}
+    layers = [(q * (i + 1), k_cache * (i + 1), v_cache - i) for i in range(3)]  # three "layers"
+    shared = [paged_attention_rowwise(lq, kc, vc, tables, cu, lens, scale, tree_mask=tree, plans=plans)
+              for lq, kc, vc in layers]
+    assert len(built) == 1 and len(plans) == 1
+    alone = [paged_attention_rowwise(lq, kc, vc, tables, cu, lens, scale, tree_mask=tree)
+             for lq, kc, vc in layers]
+    assert len(built) == 4
+    for a, b in zip(shared, alone):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 2.5)], ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(dtype, window, softcap, rowwise_path):
