@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from eagle_serve.costs import MIN_CALLS, MeasuredCosts
-from eagle_serve.drafting import DraftPolicy
+from eagle_serve.drafting import MEASURED_MARGIN, DraftPolicy
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.testing import tiny_engine
@@ -69,6 +69,20 @@ def test_dear_verify_rows_stop_a_busy_batch_drafting_where_the_static_costs_woul
     assert policy.round_shape(greedy, 100, 4).nodes >= 2
     policy.config = EngineConfig.served(max_draft_batch=0, measured_draft_costs=False)
     assert policy.round_shape(greedy, 100, 4).nodes == 1  # switched off: static again
+
+
+def test_a_request_alone_drafts_what_its_measured_costs_pay_for_and_one_in_a_batch_needs_the_margin():
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0))
+    sampled = request(policy, SamplingParams(temperature=0.7), 40)  # a chain of 2
+    policy.costs = measured(0.035, 0.003, 0.011)  # alone: 2 drafts gain ~1.08x, short of 1 + margin
+    share = policy.costs.shares(1)
+    gain = (1 + 0.4 + 0.4 ** 2) / (1 + share.call + 2 * share.step)
+    assert 1.0 < gain < 1 + MEASURED_MARGIN
+    assert policy.round_shape(sampled, 100, 1).nodes == 2
+    policy.costs = measured(0.035, 0.0002, 0.0145)  # two running: about the same gain
+    share = policy.costs.shares(2)
+    assert 1.0 < (1 + 0.4 + 0.4 ** 2) / (1 + share.call + 2 * share.step) < 1 + MEASURED_MARGIN
+    assert policy.round_shape(sampled, 100, 2).nodes == 0
 
 
 def test_a_seeded_rejection_sampled_request_drafts_the_same_whatever_the_timings():
