@@ -63,9 +63,10 @@ ACCEPT_PRIOR, PRIOR_WEIGHT, PROBE_EVERY, MAX_PROBE_WAIT = 0.5, 4.0, 4, 32
 # With measured costs and other requests running, a chain must promise this much more than plain
 # decoding (a share of its speed): acceptance estimates are noisy and a batch's round has costs
 # no timer sees, and a draft that only breaks even loses whenever the estimate was high
-# (measured: greedy at 4 streams ran 0.91x plain with 0.05, even with 0.1). A request running
-# alone drafts whatever its measured costs pay for (sampled alone, 128 tokens: 1.05x plain with
-# 0.1, 1.09x with none).
+# (measured: greedy at 4 streams ran 0.91x plain with 0.05, even with 0.1). So does a tree,
+# costed as one draft though it verifies several (greedy alone, 128 tokens: tau 2.01 and 1.32x
+# without the margin, tau 1.77 and 1.39x with it). A chain alone drafts whatever its measured
+# costs pay for (sampled alone, 128 tokens: 1.05x plain with the margin, 1.09x without).
 MEASURED_MARGIN = 0.1
 
 
@@ -198,16 +199,16 @@ class DraftPolicy:
             return depth
         tree = req.topk > 1 and self._trees_allowed(batch_size)
         rate = req.acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
-        best = best_chain(rate, 1 if tree else depth, *self._costs(req, load))
+        best = best_chain(rate, 1 if tree else depth, *self._costs(req, load, tree))
         if best == 0:
             return _probe(req.acceptance)
         req.acceptance.probes = 0
         return depth if tree else best
 
-    def _costs(self, req: Request, load: int) -> tuple[float, float, float]:
+    def _costs(self, req: Request, load: int, tree: bool = False) -> tuple[float, float, float]:
         """(drafter call, one draft, margin) as shares of a plain round for this request:
         measured on this machine (eagle_serve.costs) once enough rounds ran, with
-        MEASURED_MARGIN beside other requests; else the static settings (one drafter call
+        MEASURED_MARGIN beside other requests or for a tree; else the static settings (one drafter call
         serves every drafting request of the round, so each bears a share of it; verify rows
         cost more in a fuller batch). A seeded rejection-sampled request always gets the static ones, so its drafts
         never depend on timings."""
@@ -216,7 +217,7 @@ class DraftPolicy:
         if cfg.measured_draft_costs and not _seeded_rejection(req):
             measured = self.costs.shares(load)
         if measured is not None:
-            return measured.call, measured.step, MEASURED_MARGIN if load > 1 else 0.0
+            return measured.call, measured.step, MEASURED_MARGIN if load > 1 or tree else 0.0
         return cfg.draft_call_cost / load, cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1), 0.0
 
 

@@ -71,7 +71,7 @@ def test_dear_verify_rows_stop_a_busy_batch_drafting_where_the_static_costs_woul
     assert policy.round_shape(greedy, 100, 4).nodes == 1  # switched off: static again
 
 
-def test_a_request_alone_drafts_what_its_measured_costs_pay_for_and_one_in_a_batch_needs_the_margin():
+def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_batch_needs_the_margin():
     policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0))
     sampled = request(policy, SamplingParams(temperature=0.7), 40)  # a chain of 2
     policy.costs = measured(0.035, 0.003, 0.011)  # alone: 2 drafts gain ~1.08x, short of 1 + margin
@@ -79,6 +79,9 @@ def test_a_request_alone_drafts_what_its_measured_costs_pay_for_and_one_in_a_bat
     gain = (1 + 0.4 + 0.4 ** 2) / (1 + share.call + 2 * share.step)
     assert 1.0 < gain < 1 + MEASURED_MARGIN
     assert policy.round_shape(sampled, 100, 1).nodes == 2
+    tree = request(policy, SamplingParams(), 45)  # a tree, costed as one draft, keeps the margin
+    assert 1.0 < (1 + 0.45) / (1 + share.call + share.step) < 1 + MEASURED_MARGIN
+    assert policy.round_shape(tree, 100, 1).nodes == 0
     policy.costs = measured(0.035, 0.0002, 0.0145)  # two running: about the same gain
     share = policy.costs.shares(2)
     assert 1.0 < (1 + 0.4 + 0.4 ** 2) / (1 + share.call + 2 * share.step) < 1 + MEASURED_MARGIN
