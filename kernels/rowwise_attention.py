@@ -137,7 +137,8 @@ def _plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torc
     return plan
 
 
-def _query_slots(cu: list[int], lens: list[int], queries: list, block_tables: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _query_slots(cu: list[int], lens: list[int], queries: list, block_tables: torch.Tensor,
+                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_rowwise_queries`' key lists as cache slots for cpu.cpp's `attend`: slots [S] int64,
     starts [T + 1] (query t's keys are slots[starts[t]:starts[t + 1]], in order; none for a
     prefill's queries, which the reference computes)."""

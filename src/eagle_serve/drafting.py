@@ -208,10 +208,10 @@ class DraftPolicy:
     def _costs(self, req: Request, load: int, tree: bool = False) -> tuple[float, float, float]:
         """(drafter call, one draft, margin) as shares of a plain round for this request:
         measured on this machine (eagle_serve.costs) once enough rounds ran, with
-        MEASURED_MARGIN beside other requests or for a tree; else the static settings (one drafter call
-        serves every drafting request of the round, so each bears a share of it; verify rows
-        cost more in a fuller batch). A seeded rejection-sampled request always gets the static ones, so its drafts
-        never depend on timings."""
+        MEASURED_MARGIN beside other requests or for a tree; else the static settings (one
+        drafter call serves every drafting request of the round, so each bears a share of it;
+        verify rows cost more in a fuller batch). A seeded rejection-sampled request always gets
+        the static ones, so its drafts never depend on timings."""
         cfg = self.config
         measured = None
         if cfg.measured_draft_costs and not _seeded_rejection(req):
