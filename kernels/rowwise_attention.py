@@ -82,9 +82,9 @@ def _attend_in_python(q32, k_cache, v_cache, block_tables, cu, lens, queries, wi
     torch.set_num_threads(1)
     try:
         for b, ctx_len in enumerate(lens):
-            start, n = cu[b], cu[b + 1] - cu[b]
-            if n == 0 or _is_prefill(n, ctx_len):
+            if not queries[b]:  # no new tokens, or a prefill (the reference computes it)
                 continue
+            start = cu[b]
             pages = block_tables[b, :-(-ctx_len // page_size)]
             keys = _heads_first(k_cache, pages, ctx_len)  # [Hkv, C, D] fp32
             values = _heads_first(v_cache, pages, ctx_len)
