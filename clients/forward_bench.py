@@ -7,7 +7,8 @@ Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM
 has AVX2, and its bf16 where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (bf16 on CPUs with native bf16,
 else fp32) for 1 to 16 new tokens of one request at context 200, its linears reading oneDNN's
-packed weights or the dense ones, or running the fp32 row kernel (interleaved).
+packed weights or the dense ones, or running the fp32 row kernel on the dense weights or on the
+exact Q4_1/Q8_0 blocks of a GGUF target (interleaved).
 docs/performance.md quotes it.
 """
 from __future__ import annotations
@@ -58,24 +59,29 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
 def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:
     """Median time of the default target's forward (+ LM head, `auto` dtype) for `rows` new
     tokens of one request at `context`, its linears reading oneDNN's packed weights, the dense
-    ones, or (fp32 with AVX2) running the row kernel (interleaved)."""
+    ones, or (fp32 with AVX2) running the row kernel on the dense weights or on their exact
+    Q4_1/Q8_0 blocks where found (eagle_serve.cpu_quant) (interleaved)."""
     dtype = torch_dtype("auto")
     model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
     every = [m for m in model.hf.modules() if isinstance(m, CpuLinear)]
+    every += [m for p in model.layers for m in (p.qkv, p.gate_up) if isinstance(m, CpuLinear)]
     kernel = [m.cpu_kernel for m in every]
+    blocks = [m.blocks for m in every]  # exact Q4_1/Q8_0 forms (cpu_quant), where found
     for m in every:
         m.cpu_kernel = False
     model.logits(decode_batch(1, context), torch.arange(1))  # packs every linear it runs
     linears = [m for m in every if m._packed is not None]
     weights = {"dense": [m.weight.detach() for m in linears], "packed": [m._packed for m in linears]}
     names = list(weights) + (["row kernel"] if any(kernel) else [])
+    names += ["block kernel"] if any(b is not None for b in blocks) else []
     times: dict = {}
     for _ in range(repeats):
         for rows in rows_list:
             batch = decode_batch(rows, context)
             for name in names:
-                for m, on in zip(every, kernel):
-                    m.cpu_kernel = on and name == "row kernel"
+                for m, on, b in zip(every, kernel, blocks):
+                    m.cpu_kernel = on and name in ("row kernel", "block kernel")
+                    m.blocks = b if name == "block kernel" else None
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
@@ -92,5 +98,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
 
 
 if __name__ == "__main__":
-    bench_linears()
+    import sys
+    if "--target-only" not in sys.argv:
+        bench_linears()
     bench_target()

@@ -7,6 +7,8 @@
 //   multiply-adds along k in order, then one fixed lane reduction. Tiles of up to 4 rows x 3
 //   output features keep 12 accumulators in registers and read each weight vector once per 4
 //   rows (a single row: 1 x 4); how rows and features are tiled never changes an element's sum.
+// linear_q4_1, linear_q8_0: `linear` of a weight held block-quantized (GGUF's layouts) whose
+//   blocks rebuild the dense fp32 weight exactly: the same bits, from a fifth of the bytes.
 // rms_norm: each row's sum of squares by the same eight-lane sequence, then scale * (x * inv).
 // rope_write_kv: HF's rotation of q and k, and the KV cache write, in one call.
 // attend: each (query, q head) attends over its own list of key slots in order: scores by the
@@ -75,6 +77,89 @@ void matmul(const float* x, int64_t R, int64_t K, const float* w, int64_t N, flo
       columns<NB, RB>(x, R, K, w, b * NB, out, N, R > 1 && b + ahead < end ? w + (b + ahead) * NB * K : nullptr);
   });
   for (int64_t n = N / NB * NB; n < N; ++n) columns<1, RB>(x, R, K, w, n, out, N, nullptr);
+}
+
+// ---- block-quantized weights (GGUF's Q4_1 and Q8_0 layouts, one block = 32 weights along k) ----
+// Each block's weights are rebuilt in fp32 exactly as the dense copy holds them (Q4_1: d * q + m
+// by one FMA, where d * q is exact, so it rounds like the dequantizer's multiply-then-add; Q8_0:
+// d * q, exact), then enter the same eight-lane FMA sequence as `tile` above: a quantized linear
+// gives the dense fp32 linear's bits, reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight
+// instead of 4.
+
+struct Q4_1 {  // q [N, K / 2]: byte j of a block holds weight j (low nibble) and j + 16 (high)
+  const uint8_t* q; const float* dm; int64_t K;  // dm [N, K / 32, 2]: scale d, offset m
+  // the 8 weights k0 + 8 s .. k0 + 8 s + 7 of row n (k0 a block start, s = 0 .. 3)
+  inline __m256 group(int64_t n, int64_t k0, int s) const {
+    const uint8_t* b = q + n * (K / 2) + k0 / 2 + (s & 1) * 8;
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+    v = s < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    const float* p = dm + (n * (K / 32) + k0 / 32) * 2;
+    return _mm256_fmadd_ps(_mm256_set1_ps(p[0]), _mm256_cvtepi32_ps(v), _mm256_set1_ps(p[1]));
+  }
+};
+
+struct Q8_0 {  // q [N, K] int8, d [N, K / 32]
+  const int8_t* q; const float* d; int64_t K;
+  inline __m256 group(int64_t n, int64_t k0, int s) const {
+    const int8_t* b = q + n * K + k0 + s * 8;
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+    return _mm256_mul_ps(_mm256_set1_ps(d[n * (K / 32) + k0 / 32]), _mm256_cvtepi32_ps(v));
+  }
+};
+
+// `tile` for RB rows of x against NB rows n.. of a quantized weight W (K a multiple of 32)
+template <int RB, int NB, typename W>
+inline void qtile(const float* x, const W& w, int64_t n0, int64_t K, float* out, int64_t N) {
+  __m256 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    for (int s = 0; s < 4; ++s) {
+      __m256 wv[NB];
+      for (int n = 0; n < NB; ++n) wv[n] = w.group(n0 + n, k0, s);
+      for (int r = 0; r < RB; ++r) {
+        __m256 xv = _mm256_loadu_ps(x + r * K + k0 + s * 8);
+        for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NB; ++n) out[r * N + n] = lane_sum(acc[r][n]);
+}
+
+// R = RB rows (1 .. 6) against all N weight rows, threads splitting them in blocks of NB
+template <int RB, int NB, typename W>
+void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
+  at::parallel_for(0, N / NB, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) qtile<RB, NB>(x, w, b * NB, K, out + b * NB, N);
+  });
+  for (int64_t n = N / NB * NB; n < N; ++n) qtile<RB, 1>(x, w, n, K, out + n, N);
+}
+
+// Rebuilding a weight costs more than the FMAs that use it, so every row shares each rebuilt
+// weight vector: one tile of all rows, 2 weight rows wide for up to 3 rows, 1 for 4-6 (measured
+// fastest on an AVX2 CPU; 7+ rows run the dense weight faster, so callers pass at most 6).
+template <typename W>
+torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N, const c10::optional<torch::Tensor>& bias) {
+  const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t R = rows.size(0), K = rows.size(1);
+  TORCH_CHECK(R <= 6, "quantized linears take 0 .. 6 rows");
+  auto out = torch::empty({R, N}, x.options());
+  const float* xp = rows.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (R) {
+    case 0: break;
+    case 1: qmatmul<1, 2>(xp, K, w, N, op); break;
+    case 2: qmatmul<2, 2>(xp, K, w, N, op); break;
+    case 3: qmatmul<3, 2>(xp, K, w, N, op); break;
+    case 4: qmatmul<4, 1>(xp, K, w, N, op); break;
+    case 5: qmatmul<5, 1>(xp, K, w, N, op); break;
+    default: qmatmul<6, 1>(xp, K, w, N, op);
+  }
+  if (bias.has_value()) out.add_(*bias);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
 }
 
 // 8 floats from fp32 or bf16 memory
@@ -219,6 +304,30 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   return out.view(shape);
 }
 
+// x [..., K] fp32 (at most 6 rows); q [N, K / 2] uint8, dm [N, K / 32, 2] fp32 (Q4_1 above); bias
+// [N] or None -> [..., N]
+torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
+                          const c10::optional<torch::Tensor>& bias) {
+  const int64_t K = x.size(-1), N = q.size(0);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == torch::kUInt8 &&
+              dm.scalar_type() == torch::kFloat32 && q.is_contiguous() && dm.is_contiguous() &&
+              K % 32 == 0 && q.size(1) == K / 2 && dm.numel() == N * (K / 32) * 2,
+              "linear_q4_1: x [..., K] fp32, q [N, K/2] uint8, dm [N, K/32, 2] fp32, K % 32 == 0");
+  return qlinear(x, Q4_1{q.data_ptr<uint8_t>(), dm.data_ptr<float>(), K}, N, bias);
+}
+
+// x [..., K] fp32 (at most 6 rows); q [N, K] int8, d [N, K / 32] fp32 (Q8_0 above); bias [N] or
+// None -> [..., N]
+torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                          const c10::optional<torch::Tensor>& bias) {
+  const int64_t K = x.size(-1), N = q.size(0);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == torch::kInt8 &&
+              d.scalar_type() == torch::kFloat32 && q.is_contiguous() && d.is_contiguous() &&
+              K % 32 == 0 && q.size(1) == K && d.numel() == N * (K / 32),
+              "linear_q8_0: x [..., K] fp32, q [N, K] int8, d [N, K/32] fp32, K % 32 == 0");
+  return qlinear(x, Q8_0{q.data_ptr<int8_t>(), d.data_ptr<float>(), K}, N, bias);
+}
+
 // x [..., H] fp32, scale [H] fp32, H a multiple of 8 -> scale * (x / sqrt(mean(x^2) + eps)), each
 // row on its own (HF's RMSNorm arithmetic up to float rounding; Gemma's passes 1 + weight)
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps) {
@@ -292,5 +401,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, k and v written to their cache slots");
   m.def("rms_norm", &rms_norm, "row-wise fp32 RMSNorm (AVX2 + FMA)");
   m.def("linear", &linear, "row-invariant fp32 linear (AVX2 + FMA)");
+  m.def("linear_q4_1", &linear_q4_1, "the fp32 linear of a Q4_1 weight, bitwise `linear`'s");
+  m.def("linear_q8_0", &linear_q8_0, "the fp32 linear of a Q8_0 weight, bitwise `linear`'s");
   m.def("attend", &attend, "row-invariant attention of each query over its own key slots");
 }

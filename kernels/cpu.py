@@ -1,5 +1,6 @@
 """Row-invariant C++ kernels for CPUs with AVX2 and FMA (cpu.cpp): the fp32 linear that
-eagle_serve.cpu_matmul runs, the attention of each verify/decode query over exactly its own
+eagle_serve.cpu_matmul runs (on dense weights, or on exact Q4_1/Q8_0 blocks of them: see
+eagle_serve.cpu_quant), the attention of each verify/decode query over exactly its own
 keys that paged_attention_rowwise runs, and, for fp32, the RMSNorm of eagle_serve.cpu_norm and
 the RoPE + KV cache write of eagle_serve.paged in one call each (PyTorch runs each as several
 small ops, each paying its dispatch). Each output element is computed by one instruction

@@ -28,6 +28,11 @@ weight directly (fp32 weights are held once, not packed beside), at the machine'
 bandwidth for a decode step: the linears of the default target take 24 ms against oneDNN's
 33 ms for one row, and 35 against 53 ms for five (docs/performance.md). Without AVX2/FMA or a
 compiler, oneDNN's packed fp32 runs (not row-invariant: float rounding only).
+
+A GGUF target's fp32 weights are exactly block-quantized values (eagle_serve.cpu_quant): where a
+weight's Q4_1 or Q8_0 blocks are found, up to 6 rows run cpu.cpp's `linear_q4_1`/`linear_q8_0`
+on them, with `linear`'s bits from a fifth of the bytes (7+ rows: the dense weight, the same
+bits again, faster there).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import threading
 import torch
 from torch import nn
 
+from eagle_serve.cpu_quant import MAX_BLOCK_ROWS, BlockWeight, block_form
 from kernels.cpu import cpu_flags, cpu_kernels
 
 
@@ -85,6 +91,7 @@ class CpuLinear(nn.Module):
         self.cpu_kernel = (self.weight.dtype == torch.float32 and self.in_features % 8 == 0  # runs
                            and self.weight.device.type == "cpu" and cpu_kernels() is not None)  # cpu.cpp
         self._packed: torch.Tensor | None = None  # oneDNN's blocked copy, made on first use
+        self.blocks: BlockWeight | None = None  # the exact Q4_1/Q8_0 form, once found (cpu_quant)
 
     def _weight(self) -> torch.Tensor:
         """The weight the inner product reads: oneDNN's blocked layout of it (packed on first
@@ -93,8 +100,16 @@ class CpuLinear(nn.Module):
             self._packed = _packed(self.weight.detach())
         return self._packed
 
+    def find_blocks(self) -> BlockWeight | None:
+        """Look for the weight's exact block-quantized form (not in forward: it takes host
+        syncs and, for a large weight, some 10 ms) -> it, or None."""
+        self.blocks = block_form(self.weight) if self.cpu_kernel else None
+        return self.blocks
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel and x.dtype == torch.float32 and not x.requires_grad:  # kernels/cpu.cpp
+            if self.blocks is not None and x.shape[:-1].numel() <= MAX_BLOCK_ROWS:
+                return self.blocks.linear(x, self.bias)  # the same bits from fewer bytes
             return cpu_kernels().linear(x, self.weight, self.bias)
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):
             return nn.functional.linear(x, self.weight, self.bias)
@@ -144,3 +159,14 @@ def use_cpu_linears(model: nn.Module) -> nn.Module:
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
                 setattr(module, name, CpuLinear(child))
     return model
+
+
+def find_block_weights(model: nn.Module, fused: list[nn.Module]) -> int:
+    """Look now (a few seconds for a GGUF target), not at the first decode step, for the exact
+    block-quantized form of each CpuLinear that runs: the `fused` ones (see target.fuse_linears)
+    and the model's own, except the parts whose weight a fused one holds -> how many were found."""
+    fused = [m for m in fused if isinstance(m, CpuLinear)]
+    held = {m.weight.untyped_storage().data_ptr() for m in fused}
+    own = [m for m in model.modules()
+           if isinstance(m, CpuLinear) and m.weight.untyped_storage().data_ptr() not in held]
+    return sum(m.find_blocks() is not None for m in fused + own)

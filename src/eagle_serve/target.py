@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle_serve.cpu_matmul import CpuLinear, use_cpu_linears
+from eagle_serve.cpu_matmul import CpuLinear, find_block_weights, use_cpu_linears
 from eagle_serve.cpu_norm import use_cpu_norms
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
 from eagle_serve.paged import PagedKVCache, paged_attention_step
@@ -142,6 +142,9 @@ class TargetModel:
         self.q_width = cfg.num_attention_heads * self.head_dim
         self.kv_width = cfg.num_key_value_heads * self.head_dim
         self.layers = [self._plan(i) for i in range(self.num_layers)]
+        if self.hf.device.type == "cpu":
+            # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
+            find_block_weights(self.hf, [m for p in self.layers for m in (p.qkv, p.gate_up)])
 
     def _plan(self, idx: int) -> _LayerPlan:
         """The layer's window and RoPE table, and its projections fused: q/k/v into one linear,

@@ -1,0 +1,93 @@
+"""Block-quantized copies of fp32 weights that are exactly representable so (GGUF's Q4_1, Q8_0).
+
+A target dequantized from a GGUF file (the default one is SmolLM2's Q4_1 GGUF: every layer's
+linears Q4_1, the embedding / tied LM head Q8_0) holds fp32 weights that are, block by block of
+32 along the input dimension, d * q + m (Q4_1: q in 0..15, d and m fp16) or d * q (Q8_0: q in
+-128..127, d fp16). `block_form` finds those d, m, q again and checks that they rebuild every
+weight bitwise; kernels/cpu.cpp's `linear_q4_1` / `linear_q8_0` then rebuild each block in
+registers and run `linear`'s instruction sequence, so the output equals the dense fp32 linear's
+bit for bit while a decode step reads 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4:
+on a 2-core CPU the default target's decode step is memory-bound, so this is most of its time.
+Any weight that is not exactly representable (trained fp32 weights, tiny random test models)
+keeps the dense kernel; nothing is approximated.
+
+Not GGUF's file format reader (transformers + gguf dequantize the file): we recover the blocks
+from the dense weights, so a GGUF-converted folder needs no extra files and any other loader's
+fp32 weights are checked the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu import cpu_kernels
+
+BLOCK = 32
+MAX_BLOCK_ROWS = 6  # more rows run faster on the dense weight (kernels/cpu.cpp's qlinear)
+_SCALE_STEPS = (0, -1, 1, -2, 2)  # fp16 neighbours of the estimated scale that are tried
+_LEVELS = {"q4_1": 15, "q8_0": 127}
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """q4_1: q [N, K/2] uint8 (byte j of a block: weight j low nibble, j + 16 high), scales
+    [N, K/32, 2] fp32 (d, m); q8_0: q [N, K] int8, scales [N, K/32] fp32 (d)."""
+    kind: str
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] fp32 -> [..., N], bitwise the dense fp32 kernel's output"""
+        op = cpu_kernels().linear_q4_1 if self.kind == "q4_1" else cpu_kernels().linear_q8_0
+        return op(x, self.q, self.scales, bias)
+
+
+def block_form(weight: torch.Tensor) -> BlockWeight | None:
+    """weight [N, K] fp32 -> its exact Q4_1 or Q8_0 form, or None where it has none (or the CPU
+    kernels are missing). A few rows are tried first, so a weight with no form costs microseconds."""
+    if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK
+            or weight.device.type != "cpu" or cpu_kernels() is None):
+        return None
+    w = weight.detach()
+    for kind in _LEVELS:
+        if _blocks(w[:4], kind) is not None:
+            found = _blocks(w, kind)
+            if found is not None:
+                return _pack(kind, *found)
+    return None
+
+
+def _blocks(w: torch.Tensor, kind: str):
+    """w [N, K] -> (q [N, K/32, 32] int, d [N, K/32], m [N, K/32] or None) rebuilding w bitwise
+    (d * q exact in fp32, + m rounded once: what one FMA and the dequantizer's multiply-add
+    both give), or None"""
+    b = w.reshape(w.shape[0], -1, BLOCK)  # [N, B, 32]
+    m = b.amin(-1) if kind == "q4_1" else None
+    spread = b.amax(-1) - m if kind == "q4_1" else b.abs().amax(-1)
+    low, high = (0, 15) if kind == "q4_1" else (-128, 127)
+    guess = (spread / _LEVELS[kind]).to(torch.float16).view(torch.int16)
+    q = torch.zeros_like(b)
+    d = torch.zeros_like(spread)
+    todo = torch.ones_like(spread, dtype=torch.bool)
+    for step in _SCALE_STEPS:
+        idx = todo.nonzero(as_tuple=True)
+        cand = (guess[idx] + step).view(torch.float16).float()  # [T]
+        blk = b[idx] - (m[idx][:, None] if m is not None else 0)
+        qc = torch.where(cand[:, None] > 0, blk / cand[:, None], 0).round().clamp(low, high) + 0.0  # no -0
+        rebuilt = cand[:, None] * qc + (m[idx][:, None] if m is not None else 0)
+        good = (rebuilt.view(torch.int32) == b[idx].view(torch.int32)).all(-1)
+        sel = tuple(i[good] for i in idx)
+        q[sel], d[sel], todo[sel] = qc[good], cand[good], False
+        if not todo.any():
+            return q, d, m
+    return None
+
+
+def _pack(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> BlockWeight:
+    n = q.shape[0]
+    if kind == "q8_0":
+        return BlockWeight(kind, q.to(torch.int8).reshape(n, -1).contiguous(), d.contiguous())
+    q = q.to(torch.uint8)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, -1).contiguous()  # [N, K/2]
+    return BlockWeight(kind, packed, torch.stack([d, m], dim=-1).contiguous())

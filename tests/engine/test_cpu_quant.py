@@ -1,0 +1,114 @@
+"""Exact block-quantized forms of fp32 weights (GGUF's Q4_1, Q8_0) and their row kernels give the
+dense fp32 kernel's bits."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from eagle_serve import paths
+from eagle_serve.cpu_matmul import CpuLinear, find_block_weights
+from eagle_serve.cpu_quant import MAX_BLOCK_ROWS, block_form
+from eagle_serve.interfaces import RaggedBatch
+from eagle_serve.kv_pages import PagePool
+from eagle_serve.target import TargetModel, fuse_linears
+from kernels.cpu import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the row kernels need AVX2 and FMA")
+
+
+def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, k] fp32 as GGUF's dequantizer makes it: per block of 32, fp16 d (and m), integer q,
+    w = d * q (+ m) computed in fp32 (d * q is exact there)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (n, k // 32, 1)
+    d = (torch.rand(blocks, generator=g) * 0.02 + 1e-4).to(torch.float16).float()
+    if kind == "q8_0":
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+        q[..., 0] = 127  # the quantizer maps a block's largest magnitude to +-127
+        return (d * q).reshape(n, k)
+    m = (-torch.rand(blocks, generator=g) * 0.1).to(torch.float16).float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer maps a block's min to 0 and its max to 15
+    return (d * q + m).reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("shape", [(40, 64), (576 + 2 * 192, 576), (576, 1536), (7, 32)])
+def test_a_gguf_weight_is_found_again_and_gives_the_dense_kernels_bits_for_any_rows_and_threads(kind, shape):
+    weight = gguf_weight(kind, *shape)
+    form = block_form(weight)
+    assert form is not None and form.kind == kind
+    linear = nn.Linear(shape[1], shape[0], bias=True)
+    linear.weight.data.copy_(weight)
+    ours = CpuLinear(linear)
+    assert ours.find_blocks().kind == kind
+    x = torch.randn(12, shape[1])
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        dense = cpu_kernels().linear(x, weight, linear.bias.detach())
+        for rows in range(0, 13):  # up to MAX_BLOCK_ROWS on the blocks, then on the dense weight
+            assert torch.equal(ours(x[:rows]), dense[:rows]), f"{rows} rows"
+        alone = torch.cat([form.linear(x[r:r + 1], linear.bias.detach()) for r in range(MAX_BLOCK_ROWS)])
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(form.linear(x[:MAX_BLOCK_ROWS], linear.bias.detach()), alone)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(alone, dense[:MAX_BLOCK_ROWS])
+    torch.testing.assert_close(alone.double(), x[:MAX_BLOCK_ROWS].double() @ weight.double().T
+                               + linear.bias.detach().double(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_weight_with_no_exact_block_form_keeps_the_dense_kernel():
+    weight = gguf_weight("q4_1", 64, 96)
+    off = weight.clone()
+    off[50, 70] = torch.nextafter(off[50, 70], torch.tensor(1.0))  # one weight one ulp off
+    for w in (off, torch.randn(64, 96), gguf_weight("q4_1", 64, 64)[:, :40].contiguous(),
+              weight.double()):
+        assert block_form(w) is None
+    linear = nn.Linear(96, 64, bias=False)
+    linear.weight.data.copy_(off)
+    ours = CpuLinear(linear)
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        assert ours.find_blocks() is None and torch.equal(ours(x), cpu_kernels().linear(x, off, None))
+
+
+def test_fused_gguf_linears_find_their_blocks_and_their_parts_are_not_searched():
+    model = nn.Sequential(*[CpuLinear(nn.Linear(64, n, bias=False)) for n in (64, 32, 32)],
+                          CpuLinear(nn.Linear(64, 16, bias=False)))
+    for i, p in enumerate(model):
+        p.weight.data.copy_(gguf_weight("q4_1", p.out_features, 64, seed=i))
+    fused = fuse_linears(list(model[:3]))
+    assert find_block_weights(model, [fused]) == 2
+    assert fused.blocks.kind == model[3].blocks.kind == "q4_1"
+    assert all(p.blocks is None for p in model[:3])
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        assert torch.equal(fused(x), torch.cat([cpu_kernels().linear(x, p.weight, None) for p in model[:3]], -1))
+
+
+def test_the_default_gguf_target_runs_every_linear_on_its_blocks_with_unchanged_bits():
+    if not (paths.default_target_dir() / "config.json").exists():
+        pytest.skip("default model not converted (run make setup)")
+    target = TargetModel(paths.default_target_dir(), num_pages=16, page_size=16)
+    running = [target.lm_head] + [m for p, layer in zip(target.layers, target.hf.model.layers)
+                                  for m in (p.qkv, p.gate_up, layer.self_attn.o_proj, layer.mlp.down_proj)]
+    assert [m.blocks.kind for m in running] == ["q8_0"] + ["q4_1"] * (len(running) - 1)
+    pool, table = PagePool(16, 16), []
+    pool.grow(table, 24)
+    prompt, step = list(range(100, 120)), [7, 8, 9]
+
+    def batch(ids, start):
+        pos = list(range(start, start + len(ids)))
+        return RaggedBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor([0, len(ids)]),
+                           torch.tensor([start + len(ids)]), torch.tensor([table]),
+                           torch.tensor([pool.slot(table, p) for p in pos]))
+
+    with torch.inference_mode():
+        target.logits(batch(prompt, 0), torch.arange(len(prompt)))
+        on_blocks = target.logits(batch(step, 20), torch.arange(3))
+        for m in running:
+            m.blocks = None
+        assert torch.equal(target.logits(batch(step, 20), torch.arange(3)), on_blocks)
