@@ -140,7 +140,8 @@ void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
 // weight vector: one tile of all rows, 2 weight rows wide for up to 3 rows, 1 for 4-6 (measured
 // fastest on an AVX2 CPU; 7+ rows run the dense weight faster, so callers pass at most 6).
 template <typename W>
-torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
+                      const c10::optional<torch::Tensor>& bias) {
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t R = rows.size(0), K = rows.size(1);
   TORCH_CHECK(R <= 6, "quantized linears take 0 .. 6 rows");

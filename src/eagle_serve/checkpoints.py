@@ -33,10 +33,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eagle_serve.cpu_matmul import use_cpu_linears
+from eagle_serve.cpu_matmul import round_linears_to_q8_0, use_cpu_linears
 from eagle_serve.cpu_norm import use_cpu_norms
 from eagle_serve.drafter import Drafter
 from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec
+from eagle_serve.settings import DRAFTER_WEIGHTS
 from eagle_serve.target import load_target_config
 
 
@@ -186,13 +187,20 @@ def _build(ckpt: HeadCheckpoint, folder, dtype, device) -> EagleHead:
 
 
 def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.float32, device="cpu",
-                 num_pages: int = 256, page_size: int = 16) -> Drafter:
+                 num_pages: int = 256, page_size: int = 16, weights: str = "trained") -> Drafter:
+    """weights: "trained" (as the checkpoint holds them) or "q8_0": on a CPU that runs fp32
+    through kernels/cpu.cpp, the head's linears rounded to Q8_0 read a quarter of the bytes per
+    draft step (drafts may change slightly; the target's verification keeps output exact)."""
+    if weights not in DRAFTER_WEIGHTS:
+        raise ValueError(f"drafter weights must be one of {DRAFTER_WEIGHTS}, got {weights!r}")
     target_dir = Path(target_dir)
     ckpt = read_head(folder, load_target_config(target_dir))
     head = _build(ckpt, folder, dtype, device)
     if torch.device(device).type == "cpu":
         use_cpu_linears(head)
         use_cpu_norms(head)
+        if weights == "q8_0":
+            round_linears_to_q8_0(head)
     embed = ckpt.embed
     if embed is None:
         embed = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])

@@ -91,3 +91,13 @@ def _pack(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -
     q = q.to(torch.uint8)
     packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, -1).contiguous()  # [N, K/2]
     return BlockWeight(kind, packed, torch.stack([d, m], dim=-1).contiguous())
+
+
+def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] fp32 (K a multiple of 32) -> the nearest Q8_0 weight as fp32, per block of 32:
+    d = fp16(max |w| / 127), w = d * round(w / d) (what GGUF's Q8_0 keeps; `block_form` finds it)"""
+    n, k = weight.shape
+    b = weight.detach().reshape(n, k // BLOCK, BLOCK)
+    d = (b.abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
+    q = torch.where(d > 0, b / d, 0).round().clamp(-127, 127)
+    return (d * q + 0.0).reshape(n, k)  # + 0.0: no -0, as the kernel rebuilds it

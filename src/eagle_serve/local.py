@@ -17,18 +17,19 @@ from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *,
                        dtype: torch.dtype | str = "auto", device="cpu",
                        config: EngineConfig | None = None, corpus: str | Path | None = "default",
-                      **overrides) -> Engine:
+                       drafter_weights: str = ServingSettings.drafter_weights, **overrides) -> Engine:
     """Target (and drafter, if given) in this process, caches sized from the engine config.
     config: default the served one (ServingSettings' defaults, the target's EOS ids);
     corpus: the lookup corpus index ("default": the drafter's, if it has one; None: none);
-    overrides: EngineConfig fields to replace."""
+    drafter_weights: see checkpoints.load_drafter; overrides: EngineConfig fields to replace."""
     dtype = torch_dtype(dtype, torch.device(device).type == "cuda") if isinstance(dtype, str) else dtype
     config = config or EngineConfig.from_settings(ServingSettings(), eos_token_ids(target_dir))
     config = replace(config, **overrides)
     drafter = None
     if drafter_dir is not None:
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype, device=device,
-                               num_pages=config.num_drafter_pages, page_size=config.page_size)
+                               num_pages=config.num_drafter_pages, page_size=config.page_size,
+                               weights=drafter_weights)
     target = TargetModel(target_dir, dtype=dtype, device=device, num_pages=config.num_target_pages,
                          page_size=config.page_size,
                          feature_layers=drafter.feature_layers if drafter else None)

@@ -16,6 +16,7 @@ from pathlib import Path
 from eagle_serve import paths
 
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
+DRAFTER_WEIGHTS = ("trained", "q8_0")  # see checkpoints.load_drafter
 
 
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
@@ -109,11 +110,17 @@ class ServingSettings:
     max_queue_time_s: float = 120.0            # a request waiting longer to start fails (0 = never)
     target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
+    drafter_weights: str = "q8_0"              # "q8_0": on CPU in fp32 the head's linears are
+    #                                            rounded to Q8_0 (a quarter of the bytes per
+    #                                            draft step); "trained": as trained
     engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.drafter_weights not in DRAFTER_WEIGHTS:
+            raise ValueError(f"drafter_weights must be one of {DRAFTER_WEIGHTS}, "
+                             f"got {self.drafter_weights!r}")
         check_draft_limits(self)
 
     @classmethod

@@ -158,7 +158,7 @@ class DrafterWorker(_Worker):
             s = self.settings
             self.drafter = load_drafter(self.drafter_dir, self.target_dir, dtype=self.dtype,
                                         device=self.device, num_pages=s.num_drafter_pages,
-                                        page_size=s.page_size)
+                                        page_size=s.page_size, weights=s.drafter_weights)
             log_warmup("eagle_drafter", warm_drafter(self.drafter))
 
     def handle(self, pb, request) -> list:

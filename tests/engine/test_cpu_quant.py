@@ -1,5 +1,5 @@
 """Exact block-quantized forms of fp32 weights (GGUF's Q4_1, Q8_0) and their row kernels give the
-dense fp32 kernel's bits."""
+dense fp32 kernel's bits; a drafter rounded to Q8_0 leaves the output exact."""
 from __future__ import annotations
 
 import pytest
@@ -8,10 +8,12 @@ from torch import nn
 
 from eagle_serve import paths
 from eagle_serve.cpu_matmul import CpuLinear, find_block_weights
-from eagle_serve.cpu_quant import MAX_BLOCK_ROWS, block_form
+from eagle_serve.cpu_quant import MAX_BLOCK_ROWS, block_form, round_to_q8_0
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
+from eagle_serve.requests import SamplingParams
 from eagle_serve.target import TargetModel, fuse_linears
+from eagle_serve.testing import tiny_engine
 from kernels.cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the row kernels need AVX2 and FMA")
@@ -86,7 +88,8 @@ def test_fused_gguf_linears_find_their_blocks_and_their_parts_are_not_searched()
     assert all(p.blocks is None for p in model[:3])
     x = torch.randn(2, 64)
     with torch.inference_mode():
-        assert torch.equal(fused(x), torch.cat([cpu_kernels().linear(x, p.weight, None) for p in model[:3]], -1))
+        parts = [cpu_kernels().linear(x, p.weight, None) for p in model[:3]]
+        assert torch.equal(fused(x), torch.cat(parts, -1))
 
 
 def test_the_default_gguf_target_runs_every_linear_on_its_blocks_with_unchanged_bits():
@@ -112,3 +115,31 @@ def test_the_default_gguf_target_runs_every_linear_on_its_blocks_with_unchanged_
         for m in running:
             m.blocks = None
         assert torch.equal(target.logits(batch(step, 20), torch.arange(3)), on_blocks)
+
+
+def test_rounding_to_q8_0_moves_each_weight_at_most_half_a_step_and_gives_findable_blocks():
+    weight = torch.randn(48, 96)
+    weight[3, :32] = 0  # an all-zero block
+    rounded = round_to_q8_0(weight)
+    step = weight.reshape(48, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((rounded - weight).reshape(48, 3, 32).abs() <= step * 0.5001 + 1e-12).all()
+    assert torch.equal(rounded[3, :32], torch.zeros(32)) and block_form(rounded).kind == "q8_0"
+    assert torch.equal(round_to_q8_0(rounded), rounded)
+
+
+def test_a_q8_0_drafter_runs_on_its_blocks_and_greedy_output_stays_plain_decodings(tiny_target, eagle3_head,
+                                                                                   prompts):
+    """The drafter's weights are rounded (its drafts may change), never the target's output."""
+    def linears(engine):
+        return [m for m in engine.drafter.head.modules() if isinstance(m, CpuLinear)]
+
+    params = SamplingParams(max_tokens=16, num_speculative_tokens=3)
+    plain = [r.token_ids for r in tiny_engine(tiny_target, dtype="float32").generate(
+        prompts, SamplingParams(max_tokens=16, num_speculative_tokens=0))]
+    for weights in ("q8_0", "trained"):
+        engine = tiny_engine(tiny_target, eagle3_head, dtype="float32", drafter_weights=weights)
+        assert all((m.blocks is not None) == (weights == "q8_0") for m in linears(engine))
+        assert [r.token_ids for r in engine.generate(prompts, params)] == plain
+        assert engine.stats.draft_tokens > 0
+    with pytest.raises(ValueError, match="drafter weights must be one of"):
+        tiny_engine(tiny_target, eagle3_head, dtype="float32", drafter_weights="q4")
