@@ -138,7 +138,8 @@ void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
 
 // Rebuilding a weight costs more than the FMAs that use it, so every row shares each rebuilt
 // weight vector: one tile of all rows, 2 weight rows wide for up to 3 rows, 1 for 4-6 (measured
-// fastest on an AVX2 CPU; 7+ rows run the dense weight faster, so callers pass at most 6).
+// fastest on an AVX2 CPU; 7+ rows would rebuild twice and run about as fast on the dense
+// weight, so callers pass at most 6).
 template <typename W>
 torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
                       const c10::optional<torch::Tensor>& bias) {

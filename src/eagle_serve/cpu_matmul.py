@@ -32,7 +32,7 @@ compiler, oneDNN's packed fp32 runs (not row-invariant: float rounding only).
 A GGUF target's fp32 weights are exactly block-quantized values (eagle_serve.cpu_quant): where a
 weight's Q4_1 or Q8_0 blocks are found, up to 6 rows run cpu.cpp's `linear_q4_1`/`linear_q8_0`
 on them, with `linear`'s bits from a fifth of the bytes (7+ rows: the dense weight, the same
-bits again, faster there).
+bits again, about as fast there).
 """
 from __future__ import annotations
 
