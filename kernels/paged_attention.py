@@ -210,11 +210,13 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     if tokens == 0:
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
+    # k, v are usually views (of the RoPE output and of the fused qkv projection): rows strided
+    k, v = (x.reshape(tokens, width) for x in (k, v))
+    k, v = (x if x.stride(1) == 1 else x.contiguous() for x in (k, v))
     block_t, block_w = kv_write_tile(tokens, width)
     _write_kv_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_w))](
-        k.reshape(tokens, width), v.reshape(tokens, width), k_cache, v_cache,
-        on(slot_mapping, k_cache.device, torch.int64), tokens, width, num_slots,
-        BLOCK_T=block_t, BLOCK_W=block_w)
+        k, v, k_cache, v_cache, on(slot_mapping, k_cache.device, torch.int64), tokens, width,
+        num_slots, k.stride(0), v.stride(0), BLOCK_T=block_t, BLOCK_W=block_w)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -288,20 +290,20 @@ def attention_precision(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit(do_not_specialize=["T"])
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, W, S,
+@triton.jit(do_not_specialize=["T", "stride_k", "stride_v"])
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, W, S, stride_k, stride_v,
                      BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-    # k, v: [T, W] (W = kv_heads * head_dim); caches: [S, W] (S = num_pages * page_size);
-    # slots: [T] int64 (-1 = skip). Grid: (cdiv(T, BLOCK_T), cdiv(W, BLOCK_W))
+    # k, v: [T, W] rows `stride_k`, `stride_v` apart (W = kv_heads * head_dim); caches: [S, W]
+    # (S = num_pages * page_size); slots: [T] int64 (-1 = skip).
+    # Grid: (cdiv(T, BLOCK_T), cdiv(W, BLOCK_W))
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     w = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W))[None, :]
     slot = tl.load(slots_ptr + t, mask=t < T, other=-1)
     mask = ((t < T) & (slot >= 0) & (slot < S))[:, None] & (w < W)
-    src = t.to(tl.int64)[:, None] * W + w
     dst = slot[:, None] * W + w
-    k = tl.load(k_ptr + src, mask=mask)
+    k = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_k + w, mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + src, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64)[:, None] * stride_v + w, mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 

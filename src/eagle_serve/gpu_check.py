@@ -95,8 +95,10 @@ def kernel_checks(q_heads, kv_heads, head_dim, vocab, dtype, device) -> dict[str
 
     q, k_cache, v_cache, tables, cu, lens, tree = attention_batch(q_heads, kv_heads, head_dim,
                                                                   dtype, device, gen)
-    k, v, slots = rand(7, kv_heads, head_dim).to(dtype), rand(7, kv_heads, head_dim).to(dtype), \
-        torch.tensor([5, -1, 40, 41, 3, -1, 17], device=device)
+    # k, v as the target passes them: views of wider rows (RoPE output, fused projection)
+    k = rand(7, q_heads + kv_heads, head_dim).to(dtype).split([q_heads, kv_heads], dim=1)[1]
+    v = rand(7, 3 * kv_heads, head_dim).to(dtype)[:, kv_heads:2 * kv_heads]
+    slots = torch.tensor([5, -1, 40, 41, 3, -1, 17], device=device)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     pa.write_kv_triton(k, v, *caches[0], slots)
     pa.write_kv_ref(k, v, *caches[1], slots)

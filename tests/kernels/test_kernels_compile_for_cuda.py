@@ -58,7 +58,7 @@ def specs():
                              PRECISION="ieee" if dtype == "fp32" else "tf32"))
             kv_tiles = smallest_inputs(lambda t: pa.kv_write_tile(t, width), rows)
             for block_t, block_w in list(kv_tiles)[:1] if dtype != "bf16" else kv_tiles:
-                add(pa._write_kv_kernel, [f"*{dtype}"] * 4 + [I64] + [I32] * 3,
+                add(pa._write_kv_kernel, [f"*{dtype}"] * 4 + [I64] + [I32] * 5,
                     dict(BLOCK_T=block_t, BLOCK_W=block_w))
     for vocab in VOCABS:
         for dtype in ("bf16", "fp32", "fp16"):

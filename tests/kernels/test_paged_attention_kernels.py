@@ -124,6 +124,24 @@ def test_kv_write_kernel_fills_the_same_slots_and_skips_padding(page_size):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def test_kv_write_kernel_reads_keys_and_values_that_are_views_of_wider_rows():
+    """As the target passes them: k a view of the RoPE output [T, Hq + Hkv, D], v of the
+    fused q/k/v projection [T, (Hq + 2 Hkv) * D]."""
+    gen = torch.Generator().manual_seed(3)
+    q_heads, tokens = 3 * KV_HEADS, 9
+    rotated = torch.randn(tokens, q_heads + KV_HEADS, HEAD_DIM, generator=gen)
+    qkv = torch.randn(tokens, (q_heads + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    k = rotated.split([q_heads, KV_HEADS], dim=1)[1]                   # [T, Hkv, D], rows strided
+    v = qkv[:, (q_heads + KV_HEADS) * HEAD_DIM:].view(tokens, KV_HEADS, HEAD_DIM)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    k_cache, v_cache = torch.zeros(6, 5, KV_HEADS, HEAD_DIM), torch.zeros(6, 5, KV_HEADS, HEAD_DIM)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([3, -1, 17, 29, 0, 5, 6, 9, 12])
+    write_kv(k, v, k_cache, v_cache, slots, impl="triton")
+    write_kv_ref(k, v, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
 def test_kv_write_then_attention_uses_what_was_written():
     """Write a request's new tokens through the kernel, then decode over them."""
     page_size, n_new = 5, 7

@@ -1,0 +1,44 @@
+"""The engine on its GPU path: every dispatcher runs its Triton kernel (through the interpreter,
+on CPU tensors) and greedy output stays that of the reference path, for plain decoding, chains
+and draft trees. Kernel tests check each kernel alone on the shapes they build; this checks them
+on what the target and the drafter actually pass (views of wider rows, real page tables)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_serve.local import build_local_engine
+from eagle_serve.requests import SamplingParams
+from eagle_serve.testing import make_random_head, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-path-models")
+    target = make_tiny_llama(root / "target", vocab_size=4096)
+    return target, make_random_head(root / "eagle3", target, 3, draft_vocab_size=1024)
+
+
+PROMPTS = [list(range(5, 45)), list(range(100, 103))]  # 40 tokens: three pages of 16, and 3
+SHAPES = {"plain": dict(num_speculative_tokens=0),
+          "chain": dict(num_speculative_tokens=3, draft_topk=1),
+          "tree": dict(num_speculative_tokens=6, draft_topk=2, draft_depth=3)}
+
+
+def generate(engine, shape: dict) -> list[list[int]]:
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **shape)
+    return [engine.generate([p], params)[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_greedy_output_on_the_kernels_is_the_reference_paths(small_models, monkeypatch):
+    target, head = small_models
+    engine = build_local_engine(target, head, dtype=torch.float32)
+    expected = generate(engine, SHAPES["plain"])
+    from kernels import paged_attention, rejection, sampling, workspace
+
+    for module in (paged_attention, rejection, sampling, workspace):
+        monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
+    engine = build_local_engine(target, head, dtype=torch.float32)
+    for name, shape in SHAPES.items():
+        assert generate(engine, shape) == expected, name
