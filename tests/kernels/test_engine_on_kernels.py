@@ -1,7 +1,9 @@
 """The engine on its GPU path: every dispatcher runs its Triton kernel (through the interpreter,
 on CPU tensors) and greedy output stays that of the reference path, for plain decoding, chains
-and draft trees. Kernel tests check each kernel alone on the shapes they build; this checks them
-on what the target and the drafter actually pass (views of wider rows, real page tables)."""
+and draft trees; so does a sampled chain with top_k = 1 (the sampled path's kernels on a
+one-hot distribution: probabilities, sampling, rejection and recovery must all pick the argmax).
+Kernel tests check each kernel alone on the shapes they build; this checks them on what the
+target and the drafter actually pass (views of wider rows, real page tables)."""
 from __future__ import annotations
 
 import pytest
@@ -25,8 +27,8 @@ SHAPES = {"plain": dict(num_speculative_tokens=0),
           "tree": dict(num_speculative_tokens=6, draft_topk=2, draft_depth=3)}
 
 
-def generate(engine, shape: dict) -> list[list[int]]:
-    params = SamplingParams(max_tokens=24, ignore_eos=True, **shape)
+def generate(engine, shape: dict, **sampling) -> list[list[int]]:
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **shape, **sampling)
     return [engine.generate([p], params)[0].token_ids for p in PROMPTS]
 
 
@@ -42,3 +44,4 @@ def test_greedy_output_on_the_kernels_is_the_reference_paths(small_models, monke
     engine = build_local_engine(target, head, dtype=torch.float32)
     for name, shape in SHAPES.items():
         assert generate(engine, shape) == expected, name
+    assert generate(engine, SHAPES["chain"], temperature=0.8, top_k=1, seed=5) == expected
