@@ -134,9 +134,10 @@ class DraftPolicy:
         depth = min(left, cfg.max_speculative_tokens)
         if not req.lookup_budget or depth <= 0 or not self._lookups_allowed(req, batch_size):
             return []
+        length = self._paying_lookup(req, batch_size)
         found = []
         for prefix in ([], list(head_path))[:1 + bool(head_path)]:
-            limit = min(self.lookup_tokens(req), depth - len(prefix))
+            limit = min(length, depth - len(prefix))
             if limit <= 0:
                 continue
             proposed = []
@@ -204,6 +205,21 @@ class DraftPolicy:
             return _probe(req.acceptance)
         req.acceptance.probes = 0
         return depth if tree else best
+
+    def _paying_lookup(self, req: Request, batch_size: int) -> int:
+        """How long a lookup branch may be this round: the chain length that the request's
+        lookup acceptance pays for (`best_chain` without a drafter call: each lookup draft costs
+        one verify row), up to lookup_tokens; one again after a while when none pays (`_probe`)."""
+        cfg, limit = self.config, self.lookup_tokens(req)
+        if not (cfg.draft_call_cost or cfg.draft_step_cost):
+            return limit
+        _, step, margin = self._costs(req, _load(req, batch_size))
+        rate = req.lookup_acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
+        best = best_chain(rate, limit, 0.0, step, margin)
+        if best == 0:
+            return _probe(req.lookup_acceptance)
+        req.lookup_acceptance.probes = 0
+        return best
 
     def _costs(self, req: Request, load: int, tree: bool = False) -> tuple[float, float, float]:
         """(drafter call, one draft, margin) as shares of a plain round for this request:

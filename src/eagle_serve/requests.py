@@ -34,7 +34,11 @@ class AcceptanceRecord:
 
     def observe(self, offered: int, accepted: int) -> None:
         """offered: the deepest draft of the round (a chain: its length); accepted: drafts kept."""
-        self.reached = self.DECAY * self.reached + min(accepted + 1, offered)
+        self.record(min(accepted + 1, offered), accepted)
+
+    def record(self, reached: int, accepted: int) -> None:
+        """A drafting round: `reached` drafts whose parent was accepted, `accepted` of them kept."""
+        self.reached = self.DECAY * self.reached + reached
         self.accepted = self.DECAY * self.accepted + accepted
         self.idle_rounds = 0
 
@@ -132,7 +136,8 @@ class Request:
     draft_sources: list[str] = field(default_factory=list)  # of each draft (lookup.SOURCES)
     lookup_budget: int = 0          # drafts lookup sources may add to the k of the head
     context: ContextIndex | None = None  # the request's own tokens, for context lookup
-    acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)
+    acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)         # head drafts
+    lookup_acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)  # lookup drafts
     undrafted: list[torch.Tensor] = field(default_factory=list)  # [n_i, F] each: target
     #                                 features of verified positions the drafter has not seen
     #                                 (rounds that drafted nothing), joined when it next drafts

@@ -293,6 +293,18 @@ def _observe_head(req: Request, depths: list[int], path: list[int]) -> None:
         req.acceptance.idle_rounds += 1
 
 
+def _observe_lookups(req: Request, path: list[int]) -> None:
+    """The request's lookup record: its lookup drafts whose parent was accepted (or that start
+    at the root), and those of them accepted; a round without lookup drafts is idle."""
+    kept = set(path)
+    lookup = [n for n, source in enumerate(req.draft_sources) if source != HEAD]
+    if lookup:
+        reached = sum(req.parents[n] < 0 or req.parents[n] in kept for n in lookup)
+        req.lookup_acceptance.record(reached, sum(n in kept for n in lookup))
+    else:
+        req.lookup_acceptance.idle_rounds += 1
+
+
 def _count_round(req: Request, path: list[int], stats: EngineStats) -> None:
     """path = the accepted draft nodes; per-position counters count by depth, per-source
     counters by the source that proposed each node."""
@@ -304,6 +316,7 @@ def _count_round(req: Request, path: list[int], stats: EngineStats) -> None:
     depths = tree_depths(req.parents)
     offered = max(depths, default=0)  # deepest draft (a chain: k)
     _observe_head(req, depths, path)
+    _observe_lookups(req, path)
     req.num_rounds += 1
     req.num_draft_tokens += len(req.drafts)
     req.num_accepted_tokens += accepted

@@ -110,3 +110,42 @@ def test_the_engine_measures_its_calls_and_greedy_output_stays_exact(tiny_target
     costs = engine.policy.costs
     assert len(costs.target) >= 2 and costs.drafter_calls > 0
     assert all(seconds > 0 for seconds in costs.target.values())
+
+
+def test_a_lookup_branch_is_as_long_as_the_requests_lookup_acceptance_pays_for():
+    """A lookup draft costs one verify row and no drafter call: branches of lookup_tokens while
+    the request's lookups are mostly accepted, shorter ones as fewer are, then none but a probe
+    now and then."""
+    from eagle_serve.drafting import PROBE_EVERY
+
+    policy = DraftPolicy(EngineConfig.served(lookup_tokens=4))
+    req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None,
+                  tokens=[7, 1, 2, 3, 4, 5, 6, 9, 1, 2])   # (1, 2) went on 3 4 5 6 before
+    policy.setup_lookup(req)
+    policy.costs = measured(0.020, 0.0035, 0.007)  # alone: a row is ~15% of a plain round
+
+    def branch(rate_in_100: int) -> list[int]:
+        req.lookup_acceptance = AcceptanceRecord(reached=100, accepted=rate_in_100)
+        found = policy.lookups(req, left=10, batch_size=1)
+        return found[0].tokens if found else []
+    assert branch(90) == [3, 4, 5, 6]
+    assert branch(30) == [3]
+    assert branch(5) == []
+    req.lookup_acceptance.idle_rounds = PROBE_EVERY
+    assert policy.lookups(req, left=10, batch_size=1)[0].tokens == [3]  # a probe
+    policy.config = EngineConfig.served(lookup_tokens=4, draft_call_cost=0.0, draft_step_cost=0.0)
+    assert branch(5) == [3, 4, 5, 6]  # costs off: every lookup drafts in full
+
+
+def test_a_requests_lookup_record_counts_the_lookup_drafts_it_reached_and_kept():
+    from eagle_serve.lookup import CONTEXT, CORPUS, HEAD
+    from eagle_serve.verify import _observe_lookups
+
+    req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[1, 2])
+    # head chain 0 -> 1; a context branch 2 -> 3 from the root; a corpus draft 4 below head node 0
+    req.parents, req.draft_sources = [-1, 0, -1, 2, 0], [HEAD, HEAD, CONTEXT, CONTEXT, CORPUS]
+    _observe_lookups(req, path=[0, 4])  # kept: head 0, then the corpus draft below it
+    assert (req.lookup_acceptance.reached, req.lookup_acceptance.accepted) == (2, 1)  # 2 and 4
+    req.parents, req.draft_sources = [-1], [HEAD]
+    _observe_lookups(req, path=[])
+    assert req.lookup_acceptance.idle_rounds == 1
