@@ -87,6 +87,7 @@ void matmul(const float* x, int64_t R, int64_t K, const float* w, int64_t N, flo
 // instead of 4.
 
 struct Q4_1 {  // q [N, K / 2]: byte j of a block holds weight j (low nibble) and j + 16 (high)
+  static constexpr int wide_rows = 5;  // up to this many rows, tiles 2 weight rows wide (qlinear)
   const uint8_t* q; const float* dm; int64_t K;  // dm [N, K / 32, 2]: scale d, offset m
   // the 8 weights k0 + 8 s .. k0 + 8 s + 7 of row n (k0 a block start, s = 0 .. 3)
   inline __m256 group(int64_t n, int64_t k0, int s) const {
@@ -99,6 +100,7 @@ struct Q4_1 {  // q [N, K / 2]: byte j of a block holds weight j (low nibble) an
 };
 
 struct Q8_0 {  // q [N, K] int8, d [N, K / 32]
+  static constexpr int wide_rows = 4;
   const int8_t* q; const float* d; int64_t K;
   inline __m256 group(int64_t n, int64_t k0, int s) const {
     const int8_t* b = q + n * K + k0 + s * 8;
@@ -137,8 +139,10 @@ void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
 }
 
 // Rebuilding a weight costs more than the FMAs that use it, so every row shares each rebuilt
-// weight vector: one tile of all rows, 2 weight rows wide for up to 3 rows, 1 for 4-6 (measured
-// fastest on an AVX2 CPU; 7+ rows would rebuild twice and run about as fast on the dense
+// weight vector: one tile of all rows, 2 weight rows wide up to W::wide_rows rows, else 1
+// (measured fastest on an AVX2 CPU, an AMD EPYC: SmolLM2-135M's Q4_1 layer linears at 4 rows
+// 25% faster 2 wide than 1 wide, at 5 rows 14%, at 6 rows 7% slower; its Q8_0 LM head at 4 rows
+// alike, at 5 rows 8% slower; 7+ rows would rebuild twice and run about as fast on the dense
 // weight, so callers pass at most 6).
 template <typename W>
 torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
@@ -154,8 +158,8 @@ torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
     case 1: qmatmul<1, 2>(xp, K, w, N, op); break;
     case 2: qmatmul<2, 2>(xp, K, w, N, op); break;
     case 3: qmatmul<3, 2>(xp, K, w, N, op); break;
-    case 4: qmatmul<4, 1>(xp, K, w, N, op); break;
-    case 5: qmatmul<5, 1>(xp, K, w, N, op); break;
+    case 4: qmatmul<4, W::wide_rows >= 4 ? 2 : 1>(xp, K, w, N, op); break;
+    case 5: qmatmul<5, W::wide_rows >= 5 ? 2 : 1>(xp, K, w, N, op); break;
     default: qmatmul<6, 1>(xp, K, w, N, op);
   }
   if (bias.has_value()) out.add_(*bias);
