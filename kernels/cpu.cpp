@@ -403,6 +403,15 @@ torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, cons
   return q_out;
 }
 
+// cpu_stack.cpp
+std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const std::vector<torch::Tensor>& layers,
+                                         const std::vector<int64_t>& windows, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+                                         const torch::Tensor& slots, const torch::Tensor& starts,
+                                         int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                         double eps, double scale, double softcap,
+                                         const std::vector<int64_t>& feature_layers);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, k and v written to their cache slots");
   m.def("rms_norm", &rms_norm, "row-wise fp32 RMSNorm (AVX2 + FMA)");
@@ -410,4 +419,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q4_1", &linear_q4_1, "the fp32 linear of a Q4_1 weight, bitwise `linear`'s");
   m.def("linear_q8_0", &linear_q8_0, "the fp32 linear of a Q8_0 weight, bitwise `linear`'s");
   m.def("attend", &attend, "row-invariant attention of each query over its own key slots");
+  m.def("decoder_stack", &decoder_stack, "a Llama-like layer stack in one call (cpu_stack.cpp)");
 }

@@ -35,7 +35,7 @@ def cpu_kernels():
     from torch.utils.cpp_extension import load
 
     try:
-        return load("eagle_cpu_kernels", [str(Path(__file__).with_name("cpu.cpp"))],
+        return load("eagle_cpu_kernels", [str(Path(__file__).with_name(f)) for f in ("cpu.cpp", "cpu_stack.cpp")],
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, ...: the PyTorch paths still work

@@ -34,7 +34,7 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Here the query of a verified position gets exactly the computation a one-token decode step
     at that position makes, so the result does not depend on the batch. The math runs in fp32:
     on CPUs with AVX2, one call of kernels/cpu.cpp's `attend` for all queries of a layer (each
-    query walks its own list of key slots, planned once per forward: `_plan`); elsewhere
+    query walks its own list of key slots, planned once per forward: `attention_plan`); elsewhere
     `_attend_in_python`, per query. A prefill (a request's first forward: all its tokens new) of
     more than ROWWISE_MAX_QUERIES tokens goes through the batched reference on its own; every
     other request is row-invariant whatever its number of new tokens (a verify pass of a large
@@ -42,8 +42,7 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     positions 0 .. its own), so a sliding window keeps the last `window` of them: what a decode
     step there keeps. Shapes as paged_attention_ref.
     """
-    plan = _plan(cu_seqlens_q, seq_lens, block_tables, tree_mask, k_cache.shape[1],
-                 cpu_attend_fits(k_cache), plans)
+    plan = attention_plan(cu_seqlens_q, seq_lens, block_tables, tree_mask, k_cache, plans)
     q32 = (q.float() * scale).contiguous()  # [T, Hq, D]
     if plan.slots is not None:
         out32 = cpu_attend(q32, k_cache, v_cache, plan.slots, plan.starts, window, softcap)
@@ -117,11 +116,11 @@ class _Plan:
     starts: torch.Tensor | None    # slots[starts[t]:starts[t + 1]] ([S], [T + 1]); None: not run
 
 
-def _plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-          tree_mask: torch.Tensor | None, page_size: int, with_slots: bool,
-          plans: dict | None) -> _Plan:
-    """The call's _Plan; `plans` (a batch's RaggedBatch.plans) keeps it for the other layers of
-    the forward."""
+def attention_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   tree_mask: torch.Tensor | None, k_cache: torch.Tensor, plans: dict | None) -> _Plan:
+    """The call's _Plan for caches like k_cache; `plans` (a batch's RaggedBatch.plans) keeps it
+    for the other layers of the forward."""
+    page_size, with_slots = k_cache.shape[1], cpu_attend_fits(k_cache)
     key = (page_size, with_slots)
     if plans is not None and key in plans:
         return plans[key]

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle_serve.cpu_matmul import CpuLinear, find_block_weights, use_cpu_linears
 from eagle_serve.cpu_norm import use_cpu_norms
+from eagle_serve.cpu_stack import CpuDecoderStack
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
 from eagle_serve.paged import PagedKVCache, paged_attention_step
 from kernels import on
@@ -145,6 +146,7 @@ class TargetModel:
         if self.hf.device.type == "cpu":
             # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
             find_block_weights(self.hf, [m for p in self.layers for m in (p.qkv, p.gate_up)])
+        self.stack = CpuDecoderStack.build(self)  # None: hidden_states runs the Python loop
 
     def _plan(self, idx: int) -> _LayerPlan:
         """The layer's window and RoPE table, and its projections fused: q/k/v into one linear,
@@ -211,6 +213,18 @@ class TargetModel:
         model = self.hf.model
         h = model.embed_tokens(batch.input_ids)  # [T, H]
         rope = self._rope(h, batch.positions)
+        stacked = self.stack(h, *rope.values(), batch, self.feature_layers or ()) if self.stack else None
+        if stacked is not None:  # the same ops in one C++ call
+            h, aux = stacked
+        else:
+            h, aux = self._layers(h, rope, batch)
+        final = model.norm(h)
+        features = torch.cat([aux[i] for i in self.feature_layers], dim=-1) if self.feature_layers else final
+        return final, features
+
+    def _layers(self, h: torch.Tensor, rope: dict, batch: RaggedBatch) -> tuple[torch.Tensor, dict]:
+        """Every layer over h [T, H] -> (h [T, H], {feature layer: its input [T, H]})"""
+        model = self.hf.model
         wanted, aux = set(self.feature_layers or ()), {}
         for idx, (layer, plan) in enumerate(zip(model.layers, self.layers)):
             if idx in wanted:
@@ -222,9 +236,7 @@ class TargetModel:
             else:
                 h = h + a
                 h = h + self._mlp(plan, layer.mlp, layer.post_attention_layernorm(h))
-        final = model.norm(h)
-        features = torch.cat([aux[i] for i in self.feature_layers], dim=-1) if self.feature_layers else final
-        return final, features
+        return h, aux
 
     def _logits(self, final: torch.Tensor) -> torch.Tensor:
         """final: [R, H] -> [R, V] (soft-capped where the architecture caps them)"""

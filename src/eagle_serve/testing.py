@@ -295,3 +295,19 @@ def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, d
     from eagle_serve.local import build_local_engine
 
     return build_local_engine(target_dir, head_dir, dtype=dtype, **{**TEST_ENGINE, **overrides})
+
+
+def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, k] fp32 as GGUF's dequantizer makes it: per block of 32, fp16 d (and m), integer q,
+    w = d * q (+ m) computed in fp32 (d * q is exact there)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (n, k // 32, 1)
+    d = (torch.rand(blocks, generator=g) * 0.02 + 1e-4).to(torch.float16).float()
+    if kind == "q8_0":
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+        q[..., 0] = 127  # the quantizer maps a block's largest magnitude to +-127
+        return (d * q).reshape(n, k)
+    m = (-torch.rand(blocks, generator=g) * 0.1).to(torch.float16).float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer maps a block's min to 0 and its max to 15
+    return (d * q + m).reshape(n, k)

@@ -17,7 +17,8 @@ from eagle_serve.interfaces import RaggedBatch, ancestor_mask
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.local import build_local_engine
 from eagle_serve.target import ARCHITECTURES, TargetModel, UnsupportedArchitecture
-from eagle_serve.testing import TINY_ARCHITECTURES, hf_generate_greedy, make_random_head, make_tiny_target
+from eagle_serve.testing import (TINY_ARCHITECTURES, gguf_weight, hf_generate_greedy, make_random_head,
+                                 make_tiny_target)
 from kernels.cpu import cpu_kernels
 
 ARCHS = list(TINY_ARCHITECTURES)
@@ -213,3 +214,45 @@ def test_every_dense_architecture_runs_fused_projections(arch, arch_models, prom
     assert {e.key: e.count for e in prof.key_averages()}["aten::linear"] == 4 * ours.num_layers + 1
     expected = hf_model(folder, arch)(torch.tensor([seq])).logits[0, -1]
     assert (got[0] - expected).abs().max().item() < TOLERANCE.get(arch, 1e-10)
+
+
+STACKED = {"llama", "mistral", "qwen2", "phi3"}  # model types cpu_stack.CpuDecoderStack takes
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the layer stack is kernels/cpu.cpp's (AVX2, FMA)")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if not ARCHITECTURES[model_type(a)].moe])
+@torch.inference_mode()
+def test_the_one_call_cpu_layer_stack_gives_the_python_loops_bits(arch, arch_models, prompts):
+    """fp32 on CPU, the layers of Llama-like targets run as one C++ call (cpu_stack.cpp); its
+    final hidden states and EAGLE-3 features equal the Python loop's bitwise, for a prefill,
+    decode rows beside chain and tree verify rows, on dense and on Q4_1/Q8_0 block weights
+    (their 7+ row forwards on the dense ones). Other architectures keep the loop."""
+    folder, _ = arch_models(arch)
+    models = [TargetModel(folder, dtype=torch.float32, num_pages=32, page_size=5, feature_layers=(0, 2, 3))
+              for _ in range(2)]
+    loop, stacked = models
+    loop.stack = None
+    if model_type(arch) not in STACKED:
+        assert stacked.stack is None
+        return
+    assert stacked.stack is not None
+    pool, tables = PagePool(32, 5), [[], []]
+    a, b = prompts[1][:9], prompts[2][:12]
+    batches = [rows(pool, tables, [a, b], [0, 0]),                           # prefills
+               rows(pool, tables, [[5], [7, 8, 9, 10]], [9, 12]),           # decode + a chain
+               rows(pool, tables, [[3, 4, 5], [6, 7, 8, 9, 1, 2]], [10, 16],  # trees
+                    parents=[[-1, 0, 0], [-1, 0, 1, 1, 0, 4]])]
+    stacked._layers = lambda *args: pytest.fail("the Python loop ran")
+    for weights in ("dense", "blocks"):
+        if weights == "blocks":  # GGUF-exact weights: Q4_1 layers, Q8_0 MLP down projections
+            for model in models:
+                for plan, layer in zip(model.layers, model.hf.model.layers):
+                    for m in (plan.qkv, layer.self_attn.o_proj, plan.gate_up, layer.mlp.down_proj):
+                        kind = "q8_0" if m is layer.mlp.down_proj else "q4_1"
+                        m.weight.copy_(gguf_weight(kind, *m.weight.shape))
+                        assert m.find_blocks().kind == kind
+            stacked.stack = type(stacked.stack).build(stacked)
+        for batch in batches:
+            assert all(torch.equal(x, y) for x, y in zip(stacked.hidden_states(batch), loop.hidden_states(batch)))
+    big = rows(pool, tables, [list(range(1, 9)), [4]], [19, 22])  # 9 rows: the dense weights
+    assert all(torch.equal(x, y) for x, y in zip(stacked.hidden_states(big), loop.hidden_states(big)))

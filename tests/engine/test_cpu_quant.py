@@ -13,26 +13,10 @@ from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.requests import SamplingParams
 from eagle_serve.target import TargetModel, fuse_linears
-from eagle_serve.testing import tiny_engine
+from eagle_serve.testing import gguf_weight, tiny_engine
 from kernels.cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the row kernels need AVX2 and FMA")
-
-
-def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """[n, k] fp32 as GGUF's dequantizer makes it: per block of 32, fp16 d (and m), integer q,
-    w = d * q (+ m) computed in fp32 (d * q is exact there)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = (n, k // 32, 1)
-    d = (torch.rand(blocks, generator=g) * 0.02 + 1e-4).to(torch.float16).float()
-    if kind == "q8_0":
-        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
-        q[..., 0] = 127  # the quantizer maps a block's largest magnitude to +-127
-        return (d * q).reshape(n, k)
-    m = (-torch.rand(blocks, generator=g) * 0.1).to(torch.float16).float()
-    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15  # the quantizer maps a block's min to 0 and its max to 15
-    return (d * q + m).reshape(n, k)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
