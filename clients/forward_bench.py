@@ -8,7 +8,8 @@ has AVX2, and its bf16 where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (bf16 on CPUs with native bf16,
 else fp32) for 1 to 16 new tokens of one request at context 200, its linears reading oneDNN's
 packed weights or the dense ones, or running the fp32 row kernel on the dense weights or on the
-exact Q4_1/Q8_0 blocks of a GGUF target (interleaved).
+exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one C++ call
+(eagle_serve.cpu_stack, the server's path) (interleaved).
 docs/performance.md quotes it.
 """
 from __future__ import annotations
@@ -60,13 +61,15 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     """Median time of the default target's forward (+ LM head, `auto` dtype) for `rows` new
     tokens of one request at `context`, its linears reading oneDNN's packed weights, the dense
     ones, or (fp32 with AVX2) running the row kernel on the dense weights or on their exact
-    Q4_1/Q8_0 blocks where found (eagle_serve.cpu_quant) (interleaved)."""
+    Q4_1/Q8_0 blocks where found (eagle_serve.cpu_quant), layer by layer or in one call
+    (eagle_serve.cpu_stack) (interleaved)."""
     dtype = torch_dtype("auto")
     model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
     every = [m for m in model.hf.modules() if isinstance(m, CpuLinear)]
     every += [m for p in model.layers for m in (p.qkv, p.gate_up) if isinstance(m, CpuLinear)]
     kernel = [m.cpu_kernel for m in every]
     blocks = [m.blocks for m in every]  # exact Q4_1/Q8_0 forms (cpu_quant), where found
+    stack, model.stack = model.stack, None  # the layers in one call (cpu_stack), where built
     for m in every:
         m.cpu_kernel = False
     model.logits(decode_batch(1, context), torch.arange(1))  # packs every linear it runs
@@ -74,14 +77,16 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     weights = {"dense": [m.weight.detach() for m in linears], "packed": [m._packed for m in linears]}
     names = list(weights) + (["row kernel"] if any(kernel) else [])
     names += ["block kernel"] if any(b is not None for b in blocks) else []
+    names += ["one call"] if stack is not None else []
     times: dict = {}
     for _ in range(repeats):
         for rows in rows_list:
             batch = decode_batch(rows, context)
             for name in names:
                 for m, on, b in zip(every, kernel, blocks):
-                    m.cpu_kernel = on and name in ("row kernel", "block kernel")
-                    m.blocks = b if name == "block kernel" else None
+                    m.cpu_kernel = on and name in ("row kernel", "block kernel", "one call")
+                    m.blocks = b if name in ("block kernel", "one call") else None
+                model.stack = stack if name == "one call" else None
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()

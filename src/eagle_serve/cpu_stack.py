@@ -59,13 +59,15 @@ class CpuDecoderStack:
             return None
         return cls(target, tensors, [p.window for p in target.layers], eps.pop())
 
-    def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 batch: RaggedBatch, feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict] | None:
-        """h [T, H] embedded tokens; rope (cos, sin) [T, R] -> (h after the last layer [T, H],
-        {feature layer: its input [T, H]}), or None where the batch needs the Python loop (a
-        prefill the batched reference attends, or the kernels dispatched elsewhere)."""
+    def __call__(self, h: torch.Tensor, rope: dict, batch: RaggedBatch,
+                 feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict] | None:
+        """h [T, H] embedded tokens; rope {key: (cos, sin) [T, R]}, one table (TargetModel._rope)
+        -> (h after the last layer [T, H], {feature layer: its input [T, H]}), or None where the
+        batch needs the Python loop (a prefill the batched reference attends, or the kernels
+        dispatched elsewhere)."""
         t, cache = self.target, self.target.cache
-        if not cpu_rope_write_kv_runs(h, cache.keys[0], rope[0]):  # the layers' kernels are not cpu.cpp's
+        (cos, sin), = rope.values()
+        if not cpu_rope_write_kv_runs(h, cache.keys[0], cos):  # the layers' kernels are not cpu.cpp's
             return None
         plan = attention_plan(batch.cu_seqlens, batch.seq_lens, batch.block_tables, batch.tree_mask,
                               cache.keys[0], batch.plans)
@@ -73,7 +75,7 @@ class CpuDecoderStack:
             return None
         wanted = sorted(set(feature_layers))
         out = cpu_kernels().decoder_stack(
-            h, self.tensors, self.windows, *rope, batch.slot_mapping.to(torch.int64), plan.slots,
+            h, self.tensors, self.windows, cos, sin, batch.slot_mapping.to(torch.int64), plan.slots,
             plan.starts, t.config.num_attention_heads, t.config.num_key_value_heads, t.head_dim,
             self.eps, t.scale, t.attn_softcap, wanted)
         return out[0], dict(zip(wanted, out[1:]))

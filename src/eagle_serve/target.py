@@ -213,7 +213,7 @@ class TargetModel:
         model = self.hf.model
         h = model.embed_tokens(batch.input_ids)  # [T, H]
         rope = self._rope(h, batch.positions)
-        stacked = self.stack(h, *rope.values(), batch, self.feature_layers or ()) if self.stack else None
+        stacked = self.stack(h, rope, batch, self.feature_layers or ()) if self.stack else None
         if stacked is not None:  # the same ops in one C++ call
             h, aux = stacked
         else:
