@@ -404,7 +404,8 @@ torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, cons
 }
 
 // cpu_stack.cpp
-std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const std::vector<torch::Tensor>& layers,
+std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const torch::Tensor& first_input,
+                                         const std::vector<torch::Tensor>& layers,
                                          const std::vector<int64_t>& windows, const torch::Tensor& cos,
                                          const torch::Tensor& sin, const torch::Tensor& slot_mapping,
                                          const torch::Tensor& slots, const torch::Tensor& starts,

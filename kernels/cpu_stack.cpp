@@ -1,9 +1,10 @@
 // A decoder's layer stack in one call (fp32, CPU): the same kernels of cpu.cpp, and the same
-// ATen ops, in the same order as eagle_serve.target's Python loop over the layers, so each
-// output is bitwise that loop's, without PyTorch's Python dispatch per op (about half of a
-// decode step of a 135M model on a 2-core CPU is spent there). Llama-like layers only:
-// pre-norms, fused q/k/v and gate/up projections, SiLU-gated MLP, one RoPE table, no q/k norms
-// (eagle_serve.cpu_stack checks the model and the batch before calling it).
+// ATen ops, in the same order as the Python loops over the layers (eagle_serve.target's,
+// eagle_serve.heads'), so each output is bitwise that loop's, without PyTorch's Python dispatch
+// per op (about half of a decode step of a 135M model on a 2-core CPU is spent there).
+// Llama-like layers only: pre-norms, fused q/k/v and gate/up projections, SiLU-gated MLP, one
+// RoPE table, no q/k norms (eagle_serve.cpu_stack checks the model and the batch before calling
+// it); an EAGLE head's layers too, its first layer's attention input given.
 #include <torch/extension.h>
 
 #include <vector>
@@ -42,13 +43,16 @@ torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* lin) {
 
 }  // namespace
 
-// h [T, H] the embedded tokens; per layer 20 tensors (`kPerLayer` below): input-norm scale,
-// post-attention-norm scale, k cache, v cache [num_slots, Hkv, D], then the q/k/v, output,
-// gate/up and down linears (4 each, as run_linear); windows [L]; cos, sin [T, R]; slot_mapping
-// [T]; slots, starts: each query's key slots (kernels.rowwise_attention's plan); feature_layers:
-// the layers whose input is also returned -> {h after the last layer [T, H] (not normed), the
-// inputs of feature_layers in order}
-std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const std::vector<torch::Tensor>& layers,
+// h [T, H] the first layer's input; first_input: its attention input (an EAGLE head's, built
+// from the embedding and the target's features), or empty: rms_norm(h) as in every other
+// layer; per layer 20 tensors (`kPerLayer` below): input-norm scale (empty where first_input
+// replaces it), post-attention-norm scale, k cache, v cache [num_slots, Hkv, D], then the
+// q/k/v, output, gate/up and down linears (4 each, as run_linear); windows [L]; cos, sin
+// [T, R]; slot_mapping [T]; slots, starts: each query's key slots (kernels.rowwise_attention's
+// plan); feature_layers: the layers whose input is also returned -> {h after the last layer
+// [T, H] (not normed), the inputs of feature_layers in order}
+std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const torch::Tensor& first_input,
+                                         const std::vector<torch::Tensor>& layers,
                                          const std::vector<int64_t>& windows, const torch::Tensor& cos,
                                          const torch::Tensor& sin, const torch::Tensor& slot_mapping,
                                          const torch::Tensor& slots, const torch::Tensor& starts,
@@ -63,7 +67,8 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const std::vector<torc
     const torch::Tensor* t = layers.data() + i * kPerLayer;
     for (int64_t f : feature_layers)
       if (f == static_cast<int64_t>(i)) out.push_back(h);
-    const auto qkv = run_linear(::rms_norm(h, t[0], eps), t + 4);  // [T, q + 2 kv]
+    const bool given = i == 0 && first_input.numel();  // an EAGLE head's first layer
+    const auto qkv = run_linear(given ? first_input : ::rms_norm(h, t[0], eps), t + 4);  // [T, q + 2 kv]
     const auto parts = qkv.split_with_sizes({q_width, kv_width, kv_width}, -1);
     const auto q = parts[0].reshape({T, q_heads, head_dim});
     const auto k = parts[1].reshape({T, kv_heads, head_dim});

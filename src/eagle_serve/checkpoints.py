@@ -35,6 +35,7 @@ from transformers import LlamaConfig
 
 from eagle_serve.cpu_matmul import round_linears_to_q8_0, use_cpu_linears
 from eagle_serve.cpu_norm import use_cpu_norms
+from eagle_serve.cpu_stack import head_stack
 from eagle_serve.drafter import Drafter
 from eagle_serve.heads import HEAD_KINDS, EagleHead, HeadSpec
 from eagle_serve.settings import DRAFTER_WEIGHTS
@@ -211,8 +212,11 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
         lm_head = read_target_tensor(target_dir, ["lm_head.weight"])
         if lm_head is None:  # tied embeddings
             lm_head = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])
-    return Drafter(head, embed.to(device), None if lm_head is None else lm_head.to(device),
-                   num_pages=num_pages, page_size=page_size)
+    drafter = Drafter(head, embed.to(device), None if lm_head is None else lm_head.to(device),
+                      num_pages=num_pages, page_size=page_size)
+    if torch.device(device).type == "cpu":
+        drafter.stack = head_stack(head, drafter.cache)  # None: the Python loop
+    return drafter
 
 
 def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",

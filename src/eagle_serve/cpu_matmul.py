@@ -161,9 +161,33 @@ def use_cpu_linears(model: nn.Module) -> nn.Module:
     return model
 
 
+def fuse_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear for several that read the same input: x [..., in] -> [..., sum of outs], the
+    parts' outputs side by side in order. The parts are left as views of the fused weight (no
+    weight is held twice). CpuLinear parts give a CpuLinear, so a row's result still does not
+    depend on the other rows (see cpu_matmul)."""
+    weights = [p.weight.detach() for p in parts]  # [out_i, in]
+    biases = [None if p.bias is None else p.bias.detach() for p in parts]
+    if len({b is None for b in biases}) != 1 or len({w.shape[1] for w in weights}) != 1:
+        raise ValueError("fused linears need one input width and all or no biases")
+    fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights),
+                      bias=biases[0] is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat(weights), requires_grad=False)  # [sum out_i, in]
+    if biases[0] is not None:
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    fused = CpuLinear(fused) if isinstance(parts[0], CpuLinear) else fused
+    start = 0
+    for part, w in zip(parts, weights):
+        part.weight = nn.Parameter(fused.weight[start:start + w.shape[0]], requires_grad=False)
+        if fused.bias is not None:
+            part.bias = nn.Parameter(fused.bias[start:start + w.shape[0]], requires_grad=False)
+        start += w.shape[0]
+    return fused
+
+
 def find_block_weights(model: nn.Module, fused: list[nn.Module]) -> int:
     """Look now (a few seconds for a GGUF target), not at the first decode step, for the exact
-    block-quantized form of each CpuLinear that runs: the `fused` ones (see target.fuse_linears)
+    block-quantized form of each CpuLinear that runs: the `fused` ones (see fuse_linears)
     and the model's own, except the parts whose weight a fused one holds -> how many were found."""
     fused = [m for m in fused if isinstance(m, CpuLinear)]
     held = {m.weight.untyped_storage().data_ptr() for m in fused}

@@ -62,6 +62,7 @@ class Drafter:
         self.cache = PagedKVCache(head.num_layers, num_pages, page_size, cfg.num_key_value_heads,
                                   head.head_dim, self.dtype, self.device)
         self.page_size = page_size
+        self.stack = None  # the head's layers in one C++ call (cpu_stack.head_stack; load_drafter)
 
     @property
     def feature_layers(self):
@@ -78,6 +79,12 @@ class Drafter:
         """q: [R, V_draft] -> [R, V] (zero outside the draft vocabulary)"""
         return self.head.to_target_probs(q, self.vocab_size)
 
+    def _step(self, emb, hidden, from_target: bool, batch: RaggedBatch) -> torch.Tensor:
+        """The head's step (EagleHead.step), its layers in one C++ call where `stack` runs them."""
+        residual, x, cos, sin = self.head.inputs(emb, hidden, from_target, batch)
+        out = self.stack(residual, cos, sin, batch, first_input=x) if self.stack is not None else None
+        return out[0] if out is not None else self.head.layers_over(residual, x, cos, sin, batch, self.cache)
+
     @torch.inference_mode()
     def propose(self, batch: RaggedBatch, features: torch.Tensor, shapes: DraftShapes,
                 sampling: RowSampling) -> DraftOutput:
@@ -89,7 +96,7 @@ class Drafter:
         seq_len + topk * (depth - 1) - 1). features: [T, F] -> DraftOutput
         """
         emb = nn.functional.embedding(batch.input_ids, self.embed_tokens)
-        out = self.head.step(emb, features.to(self.dtype), True, batch, self.cache)
+        out = self._step(emb, features.to(self.dtype), True, batch)
         last = out[batch.cu_seqlens[1:] - 1]  # [B, H]
         couple = _Coupling(self, sampling, shapes.coupled)
         rows = _Rows.read(batch, shapes, couple.drafting)  # coupled rows draft as greedy ones
@@ -146,7 +153,7 @@ class Drafter:
                 step = self._single_token_batch(batch, index, tokens[index, j - 1], staged["positions"] - 2)
                 emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
                 last = last.clone()
-                last[index] = self.head.step(emb, last[index], False, step, self.cache)
+                last[index] = self._step(emb, last[index], False, step)
             logits = couple(self.logits(last[index]), active, positions)  # [A, V_draft]
             drafted, q = self._sample(logits, sampling.select(index), staged["sampled"],
                                       [rows.seeds[active[i]] for i in picks],
@@ -195,7 +202,7 @@ class Drafter:
             step = self._tree_batch(tables, [rows[i] for i in active], [trees[i] for i in active])
             emb = nn.functional.embedding(step.input_ids, self.embed_tokens)
             feats = torch.cat([torch.stack(trees[i].inputs) for i in active])
-            out = self.head.step(emb, feats, False, step, self.cache)  # [sum E, H]
+            out = self._step(emb, feats, False, step)  # [sum E, H]
             ends = list(itertools.accumulate(len(trees[i].expanded) for i in active))  # step's cu
             picked = [(i, c, out[end - len(new) + r]) for i, new, end in zip(active, new_rows, ends)
                       for r, c in enumerate(new)]

@@ -181,9 +181,16 @@ class EagleHead(nn.Module):
 
     def step(self, emb, hidden, from_target, batch: RaggedBatch, cache: PagedKVCache):
         """Every layer over ragged rows. emb: [T, H]; hidden: [T, F] -> output feature [T, H]"""
+        return self.layers_over(*self.inputs(emb, hidden, from_target, batch), batch, cache)
+
+    def inputs(self, emb, hidden, from_target, batch: RaggedBatch):
+        """-> residual [T, H], the first layer's attention input [T, H or 2H], cos, sin [T, head_dim]"""
         residual, x = self.fuse(emb, hidden, from_target)
         cos, sin = self.rotary(residual, batch.positions.unsqueeze(0))
-        cos, sin = cos[0], sin[0]  # [T, head_dim]
+        return residual, x, cos[0], sin[0]
+
+    def layers_over(self, residual, x, cos, sin, batch: RaggedBatch, cache: PagedKVCache):
+        """The layers from `inputs`' outputs -> output feature [T, H]"""
         first = self.layers[0]
         h = residual + first.self_attn(x, cos, sin, batch, cache.keys[0], cache.values[0])
         h = first.feed_forward(h)

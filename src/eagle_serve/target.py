@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle_serve.cpu_matmul import CpuLinear, find_block_weights, use_cpu_linears
+from eagle_serve.cpu_matmul import find_block_weights, fuse_linears, use_cpu_linears
 from eagle_serve.cpu_norm import use_cpu_norms
-from eagle_serve.cpu_stack import CpuDecoderStack
+from eagle_serve.cpu_stack import CpuDecoderStack, StackLayer, StackShape
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
 from eagle_serve.paged import PagedKVCache, paged_attention_step
 from kernels import on
@@ -80,30 +80,6 @@ def load_target_config(folder: str | Path):
     return config
 
 
-def fuse_linears(parts: list[nn.Module]) -> nn.Module:
-    """One linear for several that read the same input: x [..., in] -> [..., sum of outs], the
-    parts' outputs side by side in order. The parts are left as views of the fused weight (no
-    weight is held twice). CpuLinear parts give a CpuLinear, so a row's result still does not
-    depend on the other rows (see cpu_matmul)."""
-    weights = [p.weight.detach() for p in parts]  # [out_i, in]
-    biases = [None if p.bias is None else p.bias.detach() for p in parts]
-    if len({b is None for b in biases}) != 1 or len({w.shape[1] for w in weights}) != 1:
-        raise ValueError("fused linears need one input width and all or no biases")
-    fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights),
-                      bias=biases[0] is not None, device="meta")
-    fused.weight = nn.Parameter(torch.cat(weights), requires_grad=False)  # [sum out_i, in]
-    if biases[0] is not None:
-        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
-    fused = CpuLinear(fused) if isinstance(parts[0], CpuLinear) else fused
-    start = 0
-    for part, w in zip(parts, weights):
-        part.weight = nn.Parameter(fused.weight[start:start + w.shape[0]], requires_grad=False)
-        if fused.bias is not None:
-            part.bias = nn.Parameter(fused.bias[start:start + w.shape[0]], requires_grad=False)
-        start += w.shape[0]
-    return fused
-
-
 @dataclass(frozen=True)
 class _LayerPlan:
     window: int            # 0 = full attention
@@ -146,7 +122,20 @@ class TargetModel:
         if self.hf.device.type == "cpu":
             # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
             find_block_weights(self.hf, [m for p in self.layers for m in (p.qkv, p.gate_up)])
-        self.stack = CpuDecoderStack.build(self)  # None: hidden_states runs the Python loop
+        self.stack = self.cpu_stack()  # None: hidden_states runs the Python loop
+
+    def cpu_stack(self) -> CpuDecoderStack | None:
+        """The layers in one C++ call (eagle_serve.cpu_stack), where they are Llama-like (built at
+        load; again where a linear's weight or block form changes)."""
+        arch, cfg = self.arch, self.config
+        if arch.qk_norm or arch.sandwich_norms or arch.moe or len({p.rope for p in self.layers}) != 1:
+            return None
+        layers = [StackLayer(layer.input_layernorm, layer.post_attention_layernorm, plan.qkv,
+                             layer.self_attn.o_proj, plan.gate_up, layer.mlp.down_proj, plan.act, plan.window)
+                  for layer, plan in zip(self.hf.model.layers, self.layers)]
+        shape = StackShape(cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim, self.scale,
+                           self.attn_softcap)
+        return CpuDecoderStack.build(layers, self.cache, shape)
 
     def _plan(self, idx: int) -> _LayerPlan:
         """The layer's window and RoPE table, and its projections fused: q/k/v into one linear,
@@ -213,11 +202,11 @@ class TargetModel:
         model = self.hf.model
         h = model.embed_tokens(batch.input_ids)  # [T, H]
         rope = self._rope(h, batch.positions)
-        stacked = self.stack(h, rope, batch, self.feature_layers or ()) if self.stack else None
-        if stacked is not None:  # the same ops in one C++ call
-            h, aux = stacked
-        else:
-            h, aux = self._layers(h, rope, batch)
+        stacked = None
+        if self.stack is not None:  # the same ops in one C++ call
+            cos, sin = next(iter(rope.values()))  # its layers share one RoPE table
+            stacked = self.stack(h, cos, sin, batch, self.feature_layers or ())
+        h, aux = stacked if stacked is not None else self._layers(h, rope, batch)
         final = model.norm(h)
         features = torch.cat([aux[i] for i in self.feature_layers], dim=-1) if self.feature_layers else final
         return final, features

@@ -251,7 +251,7 @@ def test_the_one_call_cpu_layer_stack_gives_the_python_loops_bits(arch, arch_mod
                         kind = "q8_0" if m is layer.mlp.down_proj else "q4_1"
                         m.weight.copy_(gguf_weight(kind, *m.weight.shape))
                         assert m.find_blocks().kind == kind
-            stacked.stack = type(stacked.stack).build(stacked)
+            stacked.stack = stacked.cpu_stack()
         for batch in batches:
             assert all(torch.equal(x, y) for x, y in zip(stacked.hidden_states(batch), loop.hidden_states(batch)))
     big = rows(pool, tables, [list(range(1, 9)), [4]], [19, 22])  # 9 rows: the dense weights

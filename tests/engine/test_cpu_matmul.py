@@ -7,10 +7,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from eagle_serve.checkpoints import load_drafter
-from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
+from eagle_serve.cpu_matmul import CpuLinear, fuse_linears, onednn_bf16
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel, fuse_linears
+from eagle_serve.target import TargetModel
 from kernels.cpu import cpu_kernels
 
 

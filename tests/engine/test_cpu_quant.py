@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 from eagle_serve import paths
-from eagle_serve.cpu_matmul import CpuLinear, find_block_weights
+from eagle_serve.cpu_matmul import CpuLinear, find_block_weights, fuse_linears
 from eagle_serve.cpu_quant import MAX_BLOCK_ROWS, block_form, round_to_q8_0
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.requests import SamplingParams
-from eagle_serve.target import TargetModel, fuse_linears
+from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight, tiny_engine
 from kernels.cpu import cpu_kernels
 
