@@ -14,7 +14,8 @@
 // attend: each (query, q head) attends over its own list of key slots in order: scores by the
 //   same dot product, a softmax in one pass order, the weighted sum of values along the list;
 //   the q heads that share a kv head (up to 4 at a time) share the key and value loads.
-#include <torch/extension.h>
+#include "cpu.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -402,16 +403,6 @@ torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, cons
   }
   return q_out;
 }
-
-// cpu_stack.cpp
-std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const torch::Tensor& first_input,
-                                         const std::vector<torch::Tensor>& layers,
-                                         const std::vector<int64_t>& windows, const torch::Tensor& cos,
-                                         const torch::Tensor& sin, const torch::Tensor& slot_mapping,
-                                         const torch::Tensor& slots, const torch::Tensor& starts,
-                                         int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                         double eps, double scale, double softcap,
-                                         const std::vector<int64_t>& feature_layers);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, k and v written to their cache slots");

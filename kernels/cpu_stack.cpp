@@ -5,25 +5,7 @@
 // Llama-like layers only: pre-norms, fused q/k/v and gate/up projections, SiLU-gated MLP, one
 // RoPE table, no q/k norms (eagle_serve.cpu_stack checks the model and the batch before calling
 // it); an EAGLE head's layers too, its first layer's attention input given.
-#include <torch/extension.h>
-
-#include <vector>
-
-// cpu.cpp's kernels
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps);
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias);
-torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& cos, const torch::Tensor& sin,
-                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& slot_mapping);
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                     const torch::Tensor& slots, const torch::Tensor& starts, int64_t window,
-                     double softcap);
+#include "cpu.h"
 
 namespace {
 

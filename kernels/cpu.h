@@ -1,0 +1,28 @@
+// The entry points of cpu.cpp and cpu_stack.cpp (one extension, kernels/cpu.py builds both).
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps);
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& bias);
+torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& slot_mapping);
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                     const torch::Tensor& slots, const torch::Tensor& starts, int64_t window,
+                     double softcap);
+std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const torch::Tensor& first_input,
+                                         const std::vector<torch::Tensor>& layers,
+                                         const std::vector<int64_t>& windows, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+                                         const torch::Tensor& slots, const torch::Tensor& starts,
+                                         int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                         double eps, double scale, double softcap,
+                                         const std::vector<int64_t>& feature_layers);
