@@ -150,7 +150,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
                       const c10::optional<torch::Tensor>& bias) {
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t R = rows.size(0), K = rows.size(1);
-  TORCH_CHECK(R <= 6, "quantized linears take 0 .. 6 rows");
+  TORCH_CHECK(R <= kMaxBlockRows, "quantized linears take 0 .. ", kMaxBlockRows, " rows");
   auto out = torch::empty({R, N}, x.options());
   const float* xp = rows.data_ptr<float>();
   float* op = out.data_ptr<float>();

@@ -4,6 +4,9 @@
 
 #include <vector>
 
+// the most rows linear_q4_1 / linear_q8_0 take (eagle_serve.cpu_quant.MAX_BLOCK_ROWS)
+constexpr int64_t kMaxBlockRows = 6;
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias);

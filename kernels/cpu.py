@@ -7,8 +7,9 @@ small ops, each paying its dispatch). Each output element is computed by one ins
 sequence whatever the other rows and threads, so a verify row gets its decode step's bits by
 construction (no library offers that on CPU: MKL and oneDNN choose their kernel by row count,
 SDPA by shape). cpu_stack.cpp strings them, and the ATen ops between them, into a Llama-like
-layer stack in one call (eagle_serve.cpu_stack). Compiled once per machine by torch.utils.cpp_extension into torch's extension
-cache (TORCH_EXTENSIONS_DIR; `make setup` does it, about a minute), loaded from there after.
+layer stack in one call (eagle_serve.cpu_stack). Compiled once per machine by
+torch.utils.cpp_extension into torch's extension cache (TORCH_EXTENSIONS_DIR; `make setup` does
+it, about a minute), loaded from there after.
 """
 from __future__ import annotations
 

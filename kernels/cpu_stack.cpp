@@ -9,8 +9,6 @@
 
 namespace {
 
-constexpr int64_t kMaxBlockRows = 6;  // eagle_serve.cpu_quant.MAX_BLOCK_ROWS
-
 // a CpuLinear: {weight [N, K], q, scales, bias} (q, scales, bias empty where absent; q uint8:
 // Q4_1, int8: Q8_0), run as CpuLinear.forward runs it
 torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* lin) {

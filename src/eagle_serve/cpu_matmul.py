@@ -165,7 +165,8 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear for several that read the same input: x [..., in] -> [..., sum of outs], the
     parts' outputs side by side in order. The parts are left as views of the fused weight (no
     weight is held twice). CpuLinear parts give a CpuLinear, so a row's result still does not
-    depend on the other rows (see cpu_matmul)."""
+    depend on the other rows (see cpu_matmul), on their block forms side by side where every
+    part has one of one kind."""
     weights = [p.weight.detach() for p in parts]  # [out_i, in]
     biases = [None if p.bias is None else p.bias.detach() for p in parts]
     if len({b is None for b in biases}) != 1 or len({w.shape[1] for w in weights}) != 1:
@@ -176,6 +177,10 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     if biases[0] is not None:
         fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
     fused = CpuLinear(fused) if isinstance(parts[0], CpuLinear) else fused
+    blocks = [getattr(p, "blocks", None) for p in parts]
+    if isinstance(fused, CpuLinear) and all(blocks) and len({b.kind for b in blocks}) == 1:
+        fused.blocks = BlockWeight(blocks[0].kind, torch.cat([b.q for b in blocks]),  # rows apart
+                                   torch.cat([b.scales for b in blocks]))
     start = 0
     for part, w in zip(parts, weights):
         part.weight = nn.Parameter(fused.weight[start:start + w.shape[0]], requires_grad=False)

@@ -111,19 +111,15 @@ class CpuDecoderStack:
 def head_stack(head: nn.Module, cache: PagedKVCache) -> CpuDecoderStack | None:
     """An EAGLE head's layers as a stack (its first layer's attention input comes from
     head.inputs). Fuses each layer's q/k/v and gate/up projections (the parts become views of
-    the fused weights, finding their Q8_0 blocks again where they had them): for inference."""
+    the fused weights; Q8_0 blocks carry over): for inference."""
     linears = [m for m in head.layers.modules() if isinstance(m, nn.Linear | CpuLinear)]
     if head.spec.qk_norm or not all(isinstance(m, CpuLinear) and m.cpu_kernel for m in linears):
         return None
     layers = []
     for i, layer in enumerate(head.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        fused = []
-        for parts in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
-            had_blocks = all(p.blocks is not None for p in parts)
-            fused.append(fuse_linears(parts))
-            if had_blocks:
-                fused[-1].find_blocks()
+        fused = [fuse_linears(parts) for parts in ([attn.q_proj, attn.k_proj, attn.v_proj],
+                                                   [mlp.gate_proj, mlp.up_proj])]
         layers.append(StackLayer(None if i == 0 else layer.input_layernorm, layer.post_attention_layernorm,
                                  fused[0], attn.o_proj, fused[1], mlp.down_proj, nn.SiLU()))
     shape = StackShape(head.spec.layer.num_attention_heads, head.spec.layer.num_key_value_heads,
