@@ -1,15 +1,18 @@
 """Rejection sampling against coupled verification of sampled drafts, in process (no server):
 
     python clients/sampled_verify.py --prompts clients/prompts/heldout.jsonl --num-prompts 8 \\
-        --max-tokens 64 --json docs/sampled_verify.json --plot docs/sampled_verify.png
+        --max-tokens 64 [--concurrency 4] --json docs/sampled_verify.json --plot docs/sampled_verify.png
 
-`sampled_verify` is a server setting, so one server cannot interleave the two; two in-process
-engines on the default model (the served settings, one per mode) can. Each prompt runs through
-every config in turn, seeded (seed = 1000 + prompt index) at --temperature: plain sampling
-(k = 0), the shipped rejection-sampled chains, coupled chains of the same length, a coupled
-2x2 tree keeping 4 drafts, and coupled requests as served (a 2x2 tree, all 6 of its drafts).
-Prints tokens/s, the speedup over plain sampling and tau per config, and how
-many coupled outputs equal plain sampling's (all of them, by construction).
+`sampled_verify` is a server setting, so one server cannot interleave the modes; in-process
+engines on the default model (the served settings, one per mode) can. Each prompt (each wave
+of --concurrency prompts, run together) goes through every config in turn, seeded (seed =
+1000 + prompt index) at --temperature: plain sampling (k = 0), rejection-sampled chains (mode
+`rejection`: a seeded request drafts as if alone), the shipped mode `auto` (seeded requests
+coupled, drafting by the load), coupled chains of the same length, a coupled 2x2 tree keeping
+4 drafts, and coupled requests as served (a 2x2 tree, all 6 of its drafts). Prints tokens/s,
+the speedup over plain sampling and tau per config, and how many outputs equal plain
+sampling's (every coupled one, by construction). Each engine first runs the first wave twice,
+unseeded and untimed, so that its measured draft costs are in place (as on a running server).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from eagle_serve.tokenization import encode_prompt
 CONFIGS = {  # name: (sampled_verify, request parameters)
     "plain": ("rejection", dict(num_speculative_tokens=0)),
     "rejection": ("rejection", {}),
+    "auto (shipped)": ("auto", {}),
     "coupled chains": ("coupled", dict(draft_topk=1, draft_depth=2)),
     "coupled 2x2 tree, k 4": ("coupled", dict(num_speculative_tokens=4)),
     "coupled (2x2 tree, k 6)": ("coupled", {}),
@@ -40,29 +44,36 @@ def main(argv=None) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--concurrency", type=int, default=1, help="prompts run together")
     p.add_argument("--json", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
     target, head = paths.default_target_dir(), paths.default_drafter_dir()
     engines = {mode: build_local_engine(target, head, sampled_verify=mode)
-               for mode in ("rejection", "coupled")}
+               for mode in ("rejection", "coupled", "auto")}
     tokenizer = engines["rejection"].tokenizer
     prompts = paths.read_prompts(args.prompts)[:args.num_prompts]
     totals = {name: dict(tokens=0, seconds=0.0, rounds=0, accepted=0, same=0) for name in CONFIGS}
-    for i, prompt in enumerate(tqdm(prompts, unit="prompt")):
-        ids, plain = encode_prompt(tokenizer, prompt), None
+    waves = [range(i, min(i + args.concurrency, len(prompts)))
+             for i in range(0, len(prompts), args.concurrency)]
+    for engine in engines.values():  # untimed: first calls, and each engine's measured costs
+        engine.generate([encode_prompt(tokenizer, prompts[i]) for i in waves[0]] * 2,
+                        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+    for wave in tqdm(waves, unit="wave"):
+        ids, plain = [encode_prompt(tokenizer, prompts[i]) for i in wave], None
         for name, (mode, kw) in CONFIGS.items():
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    seed=1000 + i, **kw)
+            params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                     seed=1000 + i, **kw) for i in wave]
             start = time.perf_counter()
-            out = engines[mode].generate([ids], [params])[0]
+            outs = engines[mode].generate(ids, params)
             t = totals[name]
             t["seconds"] += time.perf_counter() - start
-            t["tokens"] += len(out.token_ids)
-            t["rounds"] += out.last.num_rounds
-            t["accepted"] += out.last.num_accepted_tokens
-            plain = out.token_ids if plain is None else plain
-            t["same"] += out.token_ids == plain
+            tokens = [out.token_ids for out in outs]
+            t["tokens"] += sum(map(len, tokens))
+            t["rounds"] += sum(out.last.num_rounds for out in outs)
+            t["accepted"] += sum(out.last.num_accepted_tokens for out in outs)
+            plain = tokens if plain is None else plain
+            t["same"] += sum(a == b for a, b in zip(tokens, plain))
     base = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     rows = {}
     for name, t in totals.items():
@@ -73,8 +84,9 @@ def main(argv=None) -> None:
               f"output = plain sampling's: {t['same']}/{len(prompts)}")
     Path(args.json).write_text(json.dumps(dict(vars(args), results=rows), indent=1))
     if args.plot:
+        streams = f", {args.concurrency} streams" if args.concurrency > 1 else ""
         plot(rows, Path(args.plot), f"sampled verification, T={args.temperature:g}, "
-                                    f"{len(prompts)} prompts x {args.max_tokens} tokens")
+                                    f"{len(prompts)} prompts x {args.max_tokens} tokens{streams}")
 
 
 def plot(rows: dict, path: Path, title: str) -> None:

@@ -95,6 +95,15 @@ class DraftPolicy:
         k = params.num_speculative_tokens
         return self.config.num_speculative_tokens if k is None else k
 
+    def coupled(self, params: SamplingParams) -> bool:
+        """Whether a request's drafts are verified by coupling (`sampled_verify`): every sampled
+        request under "coupled"; under "auto" the sampled requests that give a seed: their
+        output is then plain seeded sampling's whatever is drafted, so their drafts may follow
+        the load and the measured costs as an unseeded request's do."""
+        mode = self.config.sampled_verify
+        return params.temperature > 0 and (
+            mode == "coupled" or (mode == "auto" and params.seed is not None))
+
     def request_shape(self, params: SamplingParams, k: int, coupled: bool = False) -> tuple[int, int]:
         """-> (topk, depth) of a request's drafts: depth <= k; sampled requests draft chains of
         sampled_draft_depth from the head (a head tree would need several draws per node;

@@ -22,7 +22,7 @@ DRAFTER_WEIGHTS = ("trained", "q8_0")  # see checkpoints.load_drafter
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
 
 
-SAMPLED_VERIFY = ("rejection", "coupled")
+SAMPLED_VERIFY = ("auto", "rejection", "coupled")
 
 
 def check_draft_limits(config) -> None:
@@ -89,11 +89,12 @@ class ServingSettings:
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
     sampled_lookup_tokens: int = 0             # the same beside a sampled request's chain (0 = off)
-    sampled_verify: str = "rejection"          # how sampled drafts are verified: "rejection"
-    #                                            (rejection sampling of drafts drawn from q) or
+    sampled_verify: str = "auto"               # how sampled drafts are verified: "rejection"
+    #                                            (rejection sampling of drafts drawn from q),
     #                                            "coupled" (drafts are the drafter's guesses at
     #                                            the target's own seeded sample, kept while they
-    #                                            equal it; they draft trees, below)
+    #                                            equal it; they draft trees, below), or "auto":
+    #                                            requests with a seed coupled, others rejection
     coupled_draft_topk: int = 2                # children per node of a coupled request's tree
     #                                            (depth sampled_draft_depth; 1 = chains; a
     #                                            request's draft_topk overrides it)

@@ -286,7 +286,8 @@ TEST_ENGINE = dict(num_speculative_tokens=4, draft_topk=1, draft_depth=0, max_tr
                    draft_min_prob=0.0, draft_expand_prob=0.0, num_target_pages=256,
                    num_drafter_pages=256, num_draft_slots=128, eos_token_ids=(), lookup_tokens=0, sampled_lookup_tokens=0,
                    sampled_draft_depth=8, draft_call_cost=0.0, draft_step_cost=0.0,
-                   measured_draft_costs=False, max_draft_batch=0, max_sampled_draft_batch=0)
+                   measured_draft_costs=False, max_draft_batch=0, max_sampled_draft_batch=0,
+                   sampled_verify="rejection")
 
 
 def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, dtype="float64",

@@ -59,7 +59,8 @@ def test_acceptance_estimates_follow_the_recent_rounds():
 def policy_request(policy: DraftPolicy, params: SamplingParams) -> Request:
     k = policy.default_k(params, True)
     req = Request("r", 4, params, k, 0, None, [1, 2, 3, 4])
-    req.topk, req.depth = policy.request_shape(params, k)
+    req.coupled = policy.coupled(params)
+    req.topk, req.depth = policy.request_shape(params, k, req.coupled)
     return req
 
 
@@ -114,10 +115,13 @@ def test_requests_that_share_a_drafter_call_draft_where_one_alone_would_not():
     assert [policy.round_shape(req, 100, b).nodes for b in (1, 2, 4)] == [0, 1, 1]
 
 
-def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_sampled_requests():
-    policy = DraftPolicy(EngineConfig.served(draft_call_cost=0.2, draft_step_cost=0.05,
-                                             draft_batch_cost=0.08, sampled_draft_depth=3,
-                                             max_draft_batch=0, max_sampled_draft_batch=0))
+def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_rejection_sampled_requests():
+    """A seeded request verified by rejection sampling drafts as if alone (its output depends
+    on its drafts, which must not depend on other traffic); under the served "auto" a seeded
+    request is coupled instead (its output never depends on its drafts) and drafts by the load."""
+    costs = dict(draft_call_cost=0.2, draft_step_cost=0.05, draft_batch_cost=0.08,
+                 sampled_draft_depth=3, max_draft_batch=0, max_sampled_draft_batch=0)
+    policy = DraftPolicy(EngineConfig.served(sampled_verify="rejection", **costs))
     greedy = policy_request(policy, SamplingParams())
     unseeded = policy_request(policy, SamplingParams(temperature=0.7))
     seeded = policy_request(policy, SamplingParams(temperature=0.7, seed=5))
@@ -132,10 +136,19 @@ def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_sampled_requests
     assert chains[8][0] == 0
     assert chains[1][2] == chains[8][2] == sampled[0]        # seeded: costed as if alone
     policy.config = EngineConfig.served(max_draft_batch=4, max_sampled_draft_batch=1,
-                                        sampled_draft_depth=3)
+                                        sampled_draft_depth=3, sampled_verify="rejection")
     assert [policy.round_shape(r, 100, 5).nodes for r in (greedy, unseeded, seeded)] == [0, 0, 3]
     assert [policy.round_shape(r, 100, 2).nodes for r in (greedy, unseeded, seeded)][1:] == [0, 3]
     assert policy.round_shape(greedy, 100, 4).nodes > 0
+
+    auto = DraftPolicy(EngineConfig.served(**costs))
+    assert auto.config.sampled_verify == "auto"
+    coupled = policy_request(auto, SamplingParams(temperature=0.7, seed=5))
+    assert coupled.coupled and not policy_request(auto, SamplingParams(temperature=0.7)).coupled
+    coupled.acceptance = AcceptanceRecord(reached=100, accepted=40)
+    assert auto.round_shape(coupled, 100, 1).nodes > 0 == auto.round_shape(coupled, 100, 8).nodes
+    auto.config = EngineConfig.served(max_sampled_draft_batch=1)
+    assert auto.round_shape(coupled, 100, 2).nodes == 0      # beyond max_sampled_draft_batch
 
 
 @pytest.mark.parametrize("lookup_tokens", [0, 4])
@@ -200,17 +213,19 @@ def test_adaptive_seeded_sampling_repeats_alone_batched_and_preempted(tiny_targe
     assert [r.token_ids for r in preempted] == alone
 
 
-def test_coupled_sampled_requests_give_plain_seeded_sampling_tokens_whatever_they_draft(tmp_path):
+@pytest.mark.parametrize("mode", ["coupled", "auto"])
+def test_coupled_sampled_requests_give_plain_seeded_sampling_tokens_whatever_they_draft(tmp_path, mode):
     """Coupled verification keeps a draft only while it equals the target's seeded sample, so
     every seeded request's tokens are those of plain sampling (k = 0), token for token: with
     head chains, with head trees and lookup branches (accepted off the first path too), batched
-    and preempted. A 6-token vocabulary and a looping prompt so that drafts are accepted."""
+    and preempted. A 6-token vocabulary and a looping prompt so that drafts are accepted.
+    "auto" (served) couples the requests that give a seed, and only those."""
     target_dir = make_tiny_llama(tmp_path / "t6", vocab_size=6, seed=3)
     head_dir = make_random_head(tmp_path / "h6", target_dir, 1, seed=4)
     n, prompt = 96, [5, 0, 4, 5, 0, 4, 5, 0]
 
     def run(k: int, tree: dict | None = None, **config):
-        engine = tiny_engine(target_dir, head_dir, sampled_verify="coupled", max_running=16,
+        engine = tiny_engine(target_dir, head_dir, sampled_verify=mode, max_running=16,
                              max_waiting=n, num_draft_slots=1024, **config)
         params = [SamplingParams(max_tokens=12, temperature=1.5, top_k=4, seed=i,
                                  num_speculative_tokens=k, **(tree or {})) for i in range(n)]
@@ -226,6 +241,11 @@ def test_coupled_sampled_requests_give_plain_seeded_sampling_tokens_whatever_the
     tight, s = run(4, tree, sampled_lookup_tokens=3, page_size=8, num_target_pages=12,
                    num_drafter_pages=12)
     assert tight == plain and s.preemptions > 0
+    engine = tiny_engine(target_dir, head_dir, sampled_verify=mode)
+    for params in (SamplingParams(temperature=1.5), SamplingParams(), SamplingParams(temperature=1.5, seed=1)):
+        engine.add_request(prompt, params)
+    engine.step()
+    assert [r.coupled for r in engine.running] == [mode == "coupled", False, True]
 
 
 def exact_law(target_dir, prompt: list[int], temperature: float, top_k: int, length: int

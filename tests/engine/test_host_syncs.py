@@ -45,7 +45,8 @@ def syncs_per_round(models, layers: int, num_requests: int, params: dict) -> lis
         target, head, dtype=torch.float32, corpus=None, num_target_pages=64,
         num_drafter_pages=64, num_draft_slots=128, max_draft_batch=8, max_sampled_draft_batch=8,
         max_tree_batch=8, draft_call_cost=0.0, draft_step_cost=0.0, draft_batch_cost=0.0,
-        draft_min_prob=0.0, draft_expand_prob=0.0, sampled_draft_min_prob=0.0)
+        draft_min_prob=0.0, draft_expand_prob=0.0, sampled_draft_min_prob=0.0,
+        sampled_verify="rejection")  # seeded sampled chains: rejection-sampled, as the case says
     for i in range(num_requests):
         engine.add_request(list(range(5 + 10 * i, 20 + 10 * i)),
                            SamplingParams(max_tokens=24, ignore_eos=True, context_lookup=False, **params))

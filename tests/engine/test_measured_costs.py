@@ -54,7 +54,8 @@ def test_the_shares_are_the_drafter_call_and_a_row_of_every_request_against_the_
 def request(policy: DraftPolicy, params: SamplingParams, rate_in_100: int) -> Request:
     k = policy.default_k(params, True)
     req = Request("r", 4, params, k, 0, None, [1, 2, 3, 4])
-    req.topk, req.depth = policy.request_shape(params, k)
+    req.coupled = policy.coupled(params)
+    req.topk, req.depth = policy.request_shape(params, k, req.coupled)
     req.acceptance = AcceptanceRecord(reached=100, accepted=rate_in_100)
     return req
 
@@ -88,15 +89,20 @@ def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_ba
     assert policy.round_shape(sampled, 100, 2).nodes == 0
 
 
-def test_a_seeded_rejection_sampled_request_drafts_the_same_whatever_the_timings():
-    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0))
+@pytest.mark.parametrize("mode", ["rejection", "auto"])
+def test_a_seeded_rejection_sampled_request_drafts_the_same_whatever_the_timings(mode):
+    """Under "auto" a seeded request is coupled (its output never depends on its drafts), so it
+    follows the timings as an unseeded one does."""
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0,
+                                             sampled_verify=mode))
     seeded = request(policy, SamplingParams(temperature=0.7, seed=3), 42)
     unseeded = request(policy, SamplingParams(temperature=0.7), 42)
     shapes = []
     for costs in (MeasuredCosts(), measured(0.032, 0.0023, 0.010), measured(0.032, 0.0001, 0.001)):
         policy.costs = costs
         shapes.append([policy.round_shape(r, 100, b).nodes for r in (seeded, unseeded) for b in (1, 4)])
-    assert len({s[0] for s in shapes}) == 1 and len({s[1] for s in shapes}) == 1  # seeded
+    fixed = len({s[0] for s in shapes}) == 1 and len({s[1] for s in shapes}) == 1
+    assert fixed == (mode == "rejection") and seeded.coupled == (mode == "auto")
     assert len({s[3] for s in shapes}) > 1  # an unseeded one follows the timings
 
 

@@ -104,6 +104,10 @@ def test_the_warmup_launches_every_variant_the_engine_launches(small_models, rec
                                              top_p=0.9, seed=7, num_speculative_tokens=2)])
     engine.generate(prompts[1:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0,
                                                  seed=3))
+    # seeded sampled requests are coupled (sampled_verify "auto"), unseeded ones rejection-sampled
+    engine.generate(prompts[:2], [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8,
+                                                 top_p=0.9, num_speculative_tokens=2),
+                                  SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0)])
     served = set(recorder)
     launched = {name for name, _ in served}
     assert launched == {k.__name__ for k in KERNELS}, "the engine did not reach every kernel"
