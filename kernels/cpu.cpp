@@ -412,4 +412,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q8_0", &linear_q8_0, "the fp32 linear of a Q8_0 weight, bitwise `linear`'s");
   m.def("attend", &attend, "row-invariant attention of each query over its own key slots");
   m.def("decoder_stack", &decoder_stack, "a Llama-like layer stack in one call (cpu_stack.cpp)");
+  m.def("keyed_uniforms", &keyed_uniforms, "each key's uniforms (cpu_random.cpp)");
+  m.def("race", &race, "each row's exponential race with its key's noise (cpu_random.cpp)");
 }

@@ -1,4 +1,5 @@
-// The entry points of cpu.cpp and cpu_stack.cpp (one extension, kernels/cpu.py builds both).
+// The entry points of cpu.cpp, cpu_stack.cpp and cpu_random.cpp (one extension, kernels/cpu.py
+// builds them).
 #pragma once
 #include <torch/extension.h>
 
@@ -29,3 +30,5 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const torch::Tensor& f
                                          int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                                          double eps, double scale, double softcap,
                                          const std::vector<int64_t>& feature_layers);
+torch::Tensor keyed_uniforms(const torch::Tensor& keys, int64_t n);
+torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& keys);

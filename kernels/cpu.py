@@ -7,7 +7,8 @@ small ops, each paying its dispatch). Each output element is computed by one ins
 sequence whatever the other rows and threads, so a verify row gets its decode step's bits by
 construction (no library offers that on CPU: MKL and oneDNN choose their kernel by row count,
 SDPA by shape). cpu_stack.cpp strings them, and the ATen ops between them, into a Llama-like
-layer stack in one call (eagle_serve.cpu_stack). Compiled once per machine by
+layer stack in one call (eagle_serve.cpu_stack); cpu_random.cpp draws kernels.sampling's keyed
+noise and runs its exponential race in one pass. Compiled once per machine by
 torch.utils.cpp_extension into torch's extension cache (TORCH_EXTENSIONS_DIR; `make setup` does
 it, about a minute), loaded from there after.
 """
@@ -30,14 +31,14 @@ def cpu_flags() -> set[str]:
 
 @functools.cache
 def cpu_kernels():
-    """The compiled cpu.cpp and cpu_stack.cpp (`linear`, `attend`, ...), or None where this CPU
+    """The compiled cpu.cpp, cpu_stack.cpp and cpu_random.cpp (`linear`, `attend`, `race`, ...), or None where this CPU
     lacks AVX2/FMA or the build fails (warned once; callers then take their PyTorch paths)."""
     if not {"avx2", "fma"} <= cpu_flags():
         return None
     from torch.utils.cpp_extension import load
 
     try:
-        sources = [str(Path(__file__).with_name(f)) for f in ("cpu.cpp", "cpu_stack.cpp")]
+        sources = [str(Path(__file__).with_name(f)) for f in ("cpu.cpp", "cpu_stack.cpp", "cpu_random.cpp")]
         return load("eagle_cpu_kernels", sources,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])

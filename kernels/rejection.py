@@ -27,7 +27,7 @@ import triton.language as tl
 
 from kernels import on, use_kernel
 from kernels.sampling import (ACCEPT, RESIDUAL, SAMPLE, _race_block, _uniform, key_seed,
-                              keyed_exponentials, keyed_uniform, vocab_row_tile)
+                              keyed_uniform, sample_ref, vocab_row_tile)
 
 
 def greedy_accept_ref(draft_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
@@ -210,7 +210,7 @@ def random_tree_accept_ref(draft_ids: torch.Tensor, parents: torch.Tensor,
 
 
 def _race(p: torch.Tensor, seed: int, position: int, purpose: int) -> int:
-    return int(torch.argmax(p / keyed_exponentials(seed, position, purpose, p.shape[0], p.device)))
+    return int(sample_ref(p.unsqueeze(0), [seed], [position], purpose)[0])
 
 
 def greedy_accept(draft_ids, cu_num_drafts, target_argmax, impl: str | None = None):

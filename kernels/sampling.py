@@ -7,13 +7,15 @@ Purposes separate the draws made at one position (drafting, accepting, resamplin
 Sampling is an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
 probability p_i (the Gumbel-max trick in another form), and needs no cumulative sum.
 
-Kernels and references draw from different generators. The reference seeds a
-torch.Generator with key_seed(key); a kernel cannot call one, so it runs Philox-4x32 (what
-tl.rand runs) keyed by the same 64-bit key_seed(key), one key per row, with the vocabulary
-index as the counter. Both are pure functions of the key, so each is exactly repeatable and
-independent of batching, but they pick different (equally distributed) tokens. Tests therefore
-compare kernel and reference sampling by distribution (chi-square, fixed seeds, alpha 1e-6),
-and exactly wherever the outcome does not depend on the noise (one-hot probabilities).
+Kernels and references draw from different generators. The reference draws SplitMix64's
+stream seeded with key_seed(key), the vocabulary index as the counter (`stream_uniforms`; on
+CPU kernels/cpu_random.cpp computes the same bits, and runs the race in one pass); a Triton
+kernel runs Philox-4x32 (what tl.rand runs) keyed by the same 64-bit key_seed(key), one key
+per row, with the vocabulary index as the counter. Both are pure functions of the key, so
+each is exactly repeatable and independent of batching, but they pick different (equally
+distributed) tokens. Tests therefore compare kernel and reference sampling by distribution
+(chi-square, fixed seeds, alpha 1e-6), and exactly wherever the outcome does not depend on the
+noise (one-hot probabilities).
 
 compute_probs: the kernel finds the top-k cut-off and the top-p cut-off by bisection over
 the float bit patterns (no sort). It keeps exactly the reference's top-k set; for top-p it
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels import on, use_kernel
+from kernels.cpu import cpu_kernels
 
 # Purposes of a draw at one position.
 SAMPLE, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
@@ -45,18 +48,45 @@ def key_seed(seed: int, position: int, purpose: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
+_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _int64(x: int) -> int:
+    """A uint64 constant as the int64 with its bits (torch has no uint64 arithmetic)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> keeps the sign)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def stream_uniforms(key: int, n: int, device="cpu") -> torch.Tensor:
+    """[n] float64 in (0, 1): SplitMix64's stream seeded with `key` (a key_seed), its i-th output
+    z_i as ((z_i >> 11) + 0.5) / 2^53. Counter-based, so kernels/cpu_random.cpp computes the
+    same bits in one pass; this is its torch form (int64 arithmetic wraps as uint64 does)."""
+    i = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+    z = i * _int64(_GAMMA) + _int64(key)
+    z = (z ^ _shr(z, 30)) * _int64(_MIX1)
+    z = (z ^ _shr(z, 27)) * _int64(_MIX2)
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+
+
 def keyed_uniform(seed: int, position: int, purpose: int, n: int, device="cpu") -> torch.Tensor:
     """[n] float64 uniforms in (0, 1), a pure function of the key."""
-    gen = torch.Generator(device=device).manual_seed(key_seed(seed, position, purpose))
-    u = torch.rand(n, generator=gen, dtype=torch.float64, device=device)
-    return u.clamp_(min=torch.finfo(torch.float64).tiny)
+    key = key_seed(seed, position, purpose)
+    kernels = cpu_kernels() if torch.device(device).type == "cpu" else None
+    if kernels is not None:
+        return kernels.keyed_uniforms(torch.tensor([key]), n)[0]
+    return stream_uniforms(key, n, device)
 
 
 @functools.lru_cache(maxsize=64)
 def keyed_exponentials(seed: int, position: int, purpose: int, n: int, device="cpu") -> torch.Tensor:
     """[n] float64 Exp(1) draws, -log of keyed_uniform: the noise of a race (read-only). Cached:
     coupled speculation reads a position's SAMPLE noise when drafting it, when verifying it, and
-    again when a rejected position is drafted the next round (49k draws cost ~0.5 ms)."""
+    again when a rejected position is drafted the next round."""
     return -torch.log(keyed_uniform(seed, position, purpose, n, device))
 
 
@@ -95,15 +125,21 @@ def compute_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
 
 def sample_ref(probs: torch.Tensor, seeds: list[int], positions: list[int],
                purpose: int) -> torch.Tensor:
-    """One token per row by exponential race with keyed noise.
+    """One token per row by exponential race with keyed noise: argmax p / E over p > 0, E =
+    keyed_exponentials(seed, position, purpose), the first index on ties. On CPU one pass of
+    kernels/cpu_random.cpp per row (it takes the log only where it can change the winner);
+    elsewhere these tensor ops, which pick the same tokens.
 
-    probs: [R, V] (rows sum to 1); seeds, positions: R ints -> [R] int64
+    probs: [R, V] (rows need not sum to 1); seeds, positions: R ints -> [R] int64
     """
     assert probs.ndim == 2 and len(seeds) == len(positions) == probs.shape[0]
+    kernels = cpu_kernels() if probs.device.type == "cpu" else None
+    if kernels is not None and probs.dtype in (torch.float32, torch.float64):
+        return kernels.race(probs, key_seeds(seeds, positions, purpose, "cpu"))
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     for r, (seed, pos) in enumerate(zip(seeds, positions)):
-        out[r] = torch.argmax(probs[r].double() / keyed_exponentials(seed, pos, purpose, probs.shape[1],
-                                                                     probs.device))
+        noise = keyed_exponentials(seed, pos, purpose, probs.shape[1], probs.device)
+        out[r] = torch.argmax(torch.where(probs[r] > 0, probs[r].double() / noise, -1.0))
     return out
 
 

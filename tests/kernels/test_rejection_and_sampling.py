@@ -1,6 +1,7 @@
 """Sampling and rejection sampling reproduce the target distribution (fixed seeds, alpha 1e-6)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy.stats import chi2
 
@@ -68,6 +69,29 @@ def test_keyed_uniforms_depend_only_on_the_key():
     assert torch.equal(a, keyed_uniform(7, 100, DRAFT, 5))
     assert not torch.equal(a, keyed_uniform(7, 101, DRAFT, 5))
     assert not torch.equal(a, keyed_uniform(8, 100, DRAFT, 5))
+
+
+def test_the_cpu_noise_and_race_are_the_torch_forms_bit_for_bit(monkeypatch):
+    """kernels/cpu_random.cpp against sampling.py's torch form (what runs where it is not built,
+    and on other devices): the same uniforms, and the same winners over peaked, flat, float32
+    and float64 rows with zeros (its log is skipped where it cannot change the winner)."""
+    from kernels import sampling
+    from kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("kernels/cpu.cpp is not built on this CPU")
+    keys = [sampling.key_seed(s, 11, DRAFT) for s in range(4)]
+    assert torch.equal(cpu_kernels().keyed_uniforms(torch.tensor(keys), 5000),
+                       torch.stack([sampling.stream_uniforms(k, 5000) for k in keys]))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(48, 4096, generator=g) * torch.tensor([0.1, 1.0, 4.0, 12.0]).repeat(12).unsqueeze(1)
+    probs = torch.softmax(logits, -1).masked_fill(torch.rand(48, 4096, generator=g) < 0.3, 0.0)
+    seeds, positions = list(range(48)), [5 + i % 3 for i in range(48)]
+    fast = [sampling.sample_ref(p, seeds, positions, SAMPLE) for p in (probs, probs.double())]
+    monkeypatch.setattr(sampling, "cpu_kernels", lambda: None)
+    slow = sampling.sample_ref(probs, seeds, positions, SAMPLE)
+    assert torch.equal(fast[0], slow) and torch.equal(fast[1], slow)
+    assert bool((probs.gather(1, slow.unsqueeze(1)) > 0).all())
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
