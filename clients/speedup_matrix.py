@@ -7,8 +7,8 @@
 Each case runs speedup_curve.measure: the prompts go in groups of the case's concurrency, each
 group through every config in turn (plain decoding first), so drift hits every config alike.
 Sampled requests carry no seed unless --seeded.
-Prints a Markdown table (speedup, tau, and for greedy cases whether every output equals plain
-decoding's); the JSON is rewritten after each case.
+Prints a Markdown table (speedup, tau, and for greedy and seeded cases whether every output
+equals plain decoding's); the JSON is rewritten after each case.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def table(results: dict, configs: list[str]) -> str:
     for name, r in results.items():
         base = r[configs[0]]
         cells = [f"{r[c]['speedup']:.2f}x ({r[c]['tau']:.2f})" for c in configs[1:]]
-        same = ("(sampled)" if r["temperature"] else
+        same = ("(sampled)" if r["temperature"] and not r.get("seeded") else  # else: must be equal
                 ", ".join(f"{r[c]['same_as_first']}/{r[c]['requests']}" for c in configs[1:]))
         lines.append(f"| {name} | {base['tokens_per_s']:.2f} | " + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--model", default="spec_decode", help="ensemble or spec_decode")
     p.add_argument("--seeded", action="store_true", help="sampled requests carry a seed (the "
-                   "server then drafts for them as if they ran alone, so that they repeat exactly)")
+                   "shipped sampled_verify 'auto' couples them: their output is plain sampling's)")
     p.add_argument("--json", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
         r = measure(args.url, prompts, args.configs, max_tokens, args.model, concurrency, sampling,
                     args.seeded)
         results[name] = {**r, "temperature": temperature, "concurrency": concurrency,
-                         "max_tokens": max_tokens}
+                         "max_tokens": max_tokens, "seeded": bool(temperature and args.seeded)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(table(results, args.configs))
