@@ -1,9 +1,10 @@
 """The draft policy and the drafter call: what each request drafts each round.
 
-`DraftPolicy` is the one home of the rules: a request's tree shape (draft_topk x draft_depth,
-k nodes; rejection-sampled requests and k = 0 draft chains, coupled ones coupled_draft_topk
-wide trees), what a round may draft (depth clamped to the
-tokens the request may still emit; a chain of the tree's depth when more than `max_tree_batch`
+`DraftPolicy` is the one home of the rules: whether a sampled request's drafts are verified
+by coupling or by rejection sampling (`sampled_verify`), a request's tree shape (draft_topk x
+draft_depth, k nodes; rejection-sampled requests and k = 0 draft chains, coupled ones
+coupled_draft_topk wide trees), what a round may draft (depth clamped to the tokens the
+request may still emit; a chain of the tree's depth when more than `max_tree_batch`
 requests run), the confidence limits on greedy drafts, and the model-free sources: a greedy
 request's tree also gets the continuations looked up in its own tokens and in the corpus of the
 target's answers (eagle_serve.lookup) as extra branches, merged where they agree with the head's;
@@ -94,6 +95,12 @@ class DraftPolicy:
             return 0
         k = params.num_speculative_tokens
         return self.config.num_speculative_tokens if k is None else k
+
+    def setup_request(self, req: Request) -> None:
+        """A new request's verification rule (`coupled`), draft shape and lookup sources."""
+        req.coupled = self.coupled(req.params)
+        req.topk, req.depth = self.request_shape(req.params, req.k, req.coupled)
+        self.setup_lookup(req)
 
     def coupled(self, params: SamplingParams) -> bool:
         """Whether a request's drafts are verified by coupling (`sampled_verify`): every sampled

@@ -105,9 +105,7 @@ class Engine:
         stop = StopChecker(self.tokenizer, params.stop, params.min_tokens) if params.stop else None
         req = Request(request_id if request_id is not None else f"req-{next(self._ids)}",
                       len(prompt_ids), params, k, seed % (1 << 63), stop, list(prompt_ids))
-        req.coupled = self.policy.coupled(params)
-        req.topk, req.depth = self.policy.request_shape(params, k, req.coupled)
-        self.policy.setup_lookup(req)
+        self.policy.setup_request(req)
         self.scheduler.can_ever_hold(req, total)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= cfg.max_waiting:

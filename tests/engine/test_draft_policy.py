@@ -59,8 +59,7 @@ def test_acceptance_estimates_follow_the_recent_rounds():
 def policy_request(policy: DraftPolicy, params: SamplingParams) -> Request:
     k = policy.default_k(params, True)
     req = Request("r", 4, params, k, 0, None, [1, 2, 3, 4])
-    req.coupled = policy.coupled(params)
-    req.topk, req.depth = policy.request_shape(params, k, req.coupled)
+    policy.setup_request(req)
     return req
 
 

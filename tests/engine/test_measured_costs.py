@@ -54,8 +54,7 @@ def test_the_shares_are_the_drafter_call_and_a_row_of_every_request_against_the_
 def request(policy: DraftPolicy, params: SamplingParams, rate_in_100: int) -> Request:
     k = policy.default_k(params, True)
     req = Request("r", 4, params, k, 0, None, [1, 2, 3, 4])
-    req.coupled = policy.coupled(params)
-    req.topk, req.depth = policy.request_shape(params, k, req.coupled)
+    policy.setup_request(req)
     req.acceptance = AcceptanceRecord(reached=100, accepted=rate_in_100)
     return req
 
@@ -90,7 +89,7 @@ def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_ba
 
 
 @pytest.mark.parametrize("mode", ["rejection", "auto"])
-def test_a_seeded_rejection_sampled_request_drafts_the_same_whatever_the_timings(mode):
+def test_a_seeded_request_drafts_the_same_whatever_the_timings_where_rejection_sampled(mode):
     """Under "auto" a seeded request is coupled (its output never depends on its drafts), so it
     follows the timings as an unseeded one does."""
     policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0,
