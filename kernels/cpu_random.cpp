@@ -56,21 +56,19 @@ torch::Tensor keyed_uniforms(const torch::Tensor& keys, int64_t n) {
 torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& keys) {
   TORCH_CHECK(probs.dim() == 2 && keys.scalar_type() == torch::kInt64 && keys.numel() == probs.size(0),
               "race: probs [R, V], keys [R] int64");
+  TORCH_CHECK(probs.scalar_type() == torch::kFloat32 || probs.scalar_type() == torch::kFloat64,
+              "race: float32 or float64 probs");
   const auto p = probs.contiguous();
   const auto k = keys.contiguous();
   const int64_t R = p.size(0), V = p.size(1);
   auto out = torch::empty({R}, torch::kInt64);
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t* kp = k.data_ptr<int64_t>();
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint64_t key = static_cast<uint64_t>(kp[r]);
-      if (p.scalar_type() == torch::kFloat64) o[r] = race_row(p.data_ptr<double>() + r * V, V, key);
-      else {
-        TORCH_CHECK(p.scalar_type() == torch::kFloat32, "race: float32 or float64 probs");
-        o[r] = race_row(p.data_ptr<float>() + r * V, V, key);
-      }
-    }
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "race", [&] {
+    const scalar_t* rows = p.data_ptr<scalar_t>();
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = race_row(rows + r * V, V, static_cast<uint64_t>(kp[r]));
+    });
   });
   return out;
 }
