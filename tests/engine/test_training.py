@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from eagle_serve.checkpoints import load_drafter
@@ -10,8 +11,8 @@ from eagle_serve.requests import SamplingParams
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel
 from eagle_serve.local import build_local_engine
-from eagle_serve.train.trainer import (TrainConfig, Trainer, _prefill_batch, compute_features, target_to_draft,
-                                       unrolled_hidden, unrolled_loss)
+from eagle_serve.train.trainer import (TrainConfig, Trainer, _prefill_batch, compute_features, soft_cross_entropy,
+                                       target_to_draft, unrolled_hidden, unrolled_loss)
 
 
 @torch.inference_mode()
@@ -74,32 +75,99 @@ def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_
 
 def test_features_of_a_grown_corpus_extend_the_cache_and_equal_a_fresh_pass(tmp_path, tiny_target, prompts):
     seqs = [(p + p[:5], len(p)) for p in prompts]
-    grown, grown_labels = compute_features(seqs[:3], tiny_target, tmp_path / "cache")
-    assert grown.shape[0] == grown_labels.shape[0] == sum(len(s) for s, _ in seqs[:3])
+    grown = compute_features(seqs[:3], tiny_target, tmp_path / "cache", soft_topk=4)
+    assert grown.features.shape[0] == grown.labels.shape[0] == grown.soft_ids.shape[0] == sum(len(s) for s, _ in seqs[:3])
     before = (tmp_path / "cache" / "features.f16").stat().st_mtime_ns
-    extended, ext_labels = compute_features(seqs, tiny_target, tmp_path / "cache")
-    fresh, fresh_labels = compute_features(seqs, tiny_target, tmp_path / "fresh")
-    fresh = np.asarray(fresh, dtype=np.float32)
-    np.testing.assert_allclose(np.asarray(extended, dtype=np.float32), fresh, rtol=1e-2, atol=1e-2)
-    np.testing.assert_array_equal(np.asarray(ext_labels), np.asarray(fresh_labels))
-    assert (tmp_path / "cache" / "features.f16").stat().st_mtime_ns != before
-    again, _ = compute_features(seqs, tiny_target, tmp_path / "cache")  # cached: read, not redone
-    np.testing.assert_array_equal(np.asarray(again), np.asarray(compute_features(seqs, tiny_target, tmp_path / "cache")[0]))
-    other, _ = compute_features(seqs[1:], tiny_target, tmp_path / "cache")  # not a prefix: redone
-    np.testing.assert_allclose(np.asarray(other, dtype=np.float32), fresh[len(seqs[0][0]):], rtol=1e-2, atol=1e-2)
+    extended = compute_features(seqs, tiny_target, tmp_path / "cache", soft_topk=4)
+    fresh = compute_features(seqs, tiny_target, tmp_path / "fresh", soft_topk=4)
+    fresh_features = np.asarray(fresh.features, dtype=np.float32)
+    np.testing.assert_allclose(np.asarray(extended.features, dtype=np.float32), fresh_features, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(extended.labels), np.asarray(fresh.labels))
+    np.testing.assert_array_equal(np.asarray(extended.soft_ids[:, 0]), np.asarray(fresh.soft_ids[:, 0]))
+    np.testing.assert_allclose(np.asarray(extended.soft_probs, dtype=np.float32),
+                               np.asarray(fresh.soft_probs, dtype=np.float32), atol=1e-2)
+    written = (tmp_path / "cache" / "features.f16").stat().st_mtime_ns
+    assert written != before
+    again = compute_features(seqs, tiny_target, tmp_path / "cache", soft_topk=4)  # cached: read, not redone
+    assert (tmp_path / "cache" / "features.f16").stat().st_mtime_ns == written
+    np.testing.assert_array_equal(np.asarray(again.features), np.asarray(extended.features))
+    hard = compute_features(seqs, tiny_target, tmp_path / "cache")  # no soft labels asked: redone without
+    assert hard.soft_ids is None and hard.soft_probs is None
+    other = compute_features(seqs[1:], tiny_target, tmp_path / "cache")  # not a prefix: redone
+    np.testing.assert_allclose(np.asarray(other.features, dtype=np.float32), fresh_features[len(seqs[0][0]):],
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_an_interrupted_feature_pass_goes_on_where_it_stopped(tmp_path, tiny_target, prompts, monkeypatch):
+    seqs = [(p + p[:5], len(p)) for p in prompts]
+    real, groups = TargetModel.hidden_states, []
+
+    def counted(self, batch):
+        if len(groups) == 3:
+            raise KeyboardInterrupt  # stopped during its fourth group
+        groups.append(batch.cu_seqlens.numel() - 1)
+        return real(self, batch)
+
+    monkeypatch.setattr(TargetModel, "hidden_states", counted)
+    with pytest.raises(KeyboardInterrupt):
+        compute_features(seqs, tiny_target, tmp_path / "cache", batch_tokens=1, soft_topk=4)  # a group per sequence
+    assert groups == [1, 1, 1]
+    groups.clear()
+    monkeypatch.setattr(TargetModel, "hidden_states", lambda self, batch: groups.append(1) or real(self, batch))
+    resumed = compute_features(seqs, tiny_target, tmp_path / "cache", batch_tokens=1, soft_topk=4)
+    assert len(groups) == len(seqs) - 3  # only the sequences it had not done
+    fresh = compute_features(seqs, tiny_target, tmp_path / "fresh", batch_tokens=1, soft_topk=4)
+    for name in ("features", "labels", "soft_ids", "soft_probs"):
+        np.testing.assert_array_equal(np.asarray(getattr(resumed, name)), np.asarray(getattr(fresh, name)))
+
+
+def test_soft_labels_are_the_targets_most_likely_tokens_and_their_probabilities(tmp_path, tiny_target, prompts):
+    from transformers import AutoModelForCausalLM
+
+    seqs = [(p + p[:4], len(p)) for p in prompts[:2]]
+    data = compute_features(seqs, tiny_target, tmp_path / "cache", dtype="float64", soft_topk=5)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float64).eval()
+    offset = 0
+    for seq, _ in seqs:
+        with torch.no_grad():
+            probs = torch.softmax(model(torch.tensor([seq])).logits[0], dim=-1)  # [L, V]
+        top = probs.topk(5, dim=-1)
+        rows = slice(offset, offset + len(seq))
+        np.testing.assert_array_equal(np.asarray(data.soft_ids[rows]), top.indices.numpy())
+        np.testing.assert_allclose(np.asarray(data.soft_probs[rows], dtype=np.float64), top.values.numpy(),
+                                   rtol=1e-3, atol=1e-4)  # stored in fp16
+        np.testing.assert_array_equal(np.asarray(data.labels[rows]), np.asarray(data.soft_ids[rows][:, 0]))
+        offset += len(seq)
+
+
+def test_the_soft_loss_of_a_one_hot_target_is_the_hard_loss_and_ignores_tokens_outside_the_draft_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10, dtype=torch.float64)
+    t2d = torch.full((20,), -1, dtype=torch.int64)
+    t2d[torch.arange(0, 20, 2)] = torch.arange(10)  # even target ids are in the draft vocabulary
+    labels = torch.tensor([0, 2, 4, 6, 8, 10])
+    ids = torch.stack([labels, labels + 1, labels + 2], dim=1)  # [6, 3]: one odd id per row
+    one_hot = torch.tensor([[1.0, 0.0, 0.0]]).expand(6, 3)
+    hard = torch.nn.functional.cross_entropy(logits, t2d[labels])
+    assert torch.allclose(soft_cross_entropy(logits, ids, one_hot, t2d), hard, atol=1e-12)
+    # mass on a token outside the draft vocabulary (the odd id) is dropped and the rest renormalized
+    spread = torch.tensor([[0.3, 0.5, 0.2]]).expand(6, 3)
+    logp = torch.log_softmax(logits, dim=-1)
+    expected = -(0.6 * logp[torch.arange(6), t2d[labels]] + 0.4 * logp[torch.arange(6), t2d[labels + 2]])
+    assert torch.allclose(soft_cross_entropy(logits, ids, spread, t2d), expected.mean(), atol=1e-12)
 
 
 def test_labels_are_the_targets_argmax_so_sampled_answers_teach_what_the_target_would_say(
         tmp_path, tiny_target, prompts, hf_greedy):
     greedy = [(p + hf_greedy(p, 12), len(p)) for p in prompts[:3]]
-    _, labels = compute_features(greedy, tiny_target, tmp_path / "greedy", dtype="float64")
+    labels = compute_features(greedy, tiny_target, tmp_path / "greedy", dtype="float64").labels
     offset = 0
     for seq, plen in greedy:  # greedy answer: the label at p is the answer token at p + 1
         assert list(labels[offset + plen - 1:offset + len(seq) - 1]) == seq[plen:]
         offset += len(seq)
     rng = np.random.default_rng(0)  # a "sampled" answer: random tokens, labels still the argmax
     sampled = [(p + rng.integers(0, 200, 12).tolist(), len(p)) for p in prompts[:3]]
-    _, labels = compute_features(sampled, tiny_target, tmp_path / "sampled", dtype="float64")
+    labels = compute_features(sampled, tiny_target, tmp_path / "sampled", dtype="float64").labels
     offset, differ = 0, 0
     for seq, plen in sampled:
         for pos in (3, len(seq) - 1):

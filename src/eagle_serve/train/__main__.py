@@ -46,6 +46,8 @@ def main(argv=None) -> None:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--tokens-per-batch", type=int, default=2048)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--soft-topk", type=int, default=32,
+                   help="soft labels: the target's top-k probabilities at each position (0 = its argmax alone)")
     t.add_argument("--feature-layers", type=int, nargs=3, default=None,
                    help="target layers whose inputs the head fuses (default 2, L//2, L-3)")
     e = sub.add_parser("eval")
@@ -92,6 +94,7 @@ def train(args) -> None:
     rows = [row for folder in args.corpus for row in read_corpus(folder)]
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, unroll=args.unroll, lr=args.lr,
                       steps=args.steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed,
+                      soft_topk=args.soft_topk,
                       feature_layers=tuple(args.feature_layers) if args.feature_layers else None)
     start = time.time()
     trainer = Trainer(rows, paths.resolve_model_path(args.target), args.work, cfg,

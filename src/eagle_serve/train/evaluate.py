@@ -53,8 +53,8 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
     seqs = T.sequences(read_corpus(work / "answers"))
     head = load_head(head_dir, target_dir).float().eval()
     layers = head.spec.feature_layers
-    feats, labels = T.compute_features(seqs, target_dir, work / f"features-{'-'.join(map(str, layers))}",
-                                       layers, dtype=dtype)
+    data = T.compute_features(seqs, target_dir, work / f"features-{'-'.join(map(str, layers))}",
+                              layers, dtype=dtype)
     target = TargetModel(target_dir, num_pages=1, page_size=16)
     t2d = T.target_to_draft(head.d2t.to(torch.int64), target.vocab_size)
     embed = target.embed_tokens.weight.detach().float()
@@ -63,11 +63,11 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
     hits, scored = np.zeros(unroll), np.zeros(unroll)
     for i, (seq, plen) in enumerate(seqs):
         rows = slice(offsets[i], offsets[i] + len(seq))
-        f = torch.from_numpy(np.asarray(feats[rows], dtype=np.float32))[None]  # [1, L, 3H]
+        f = torch.from_numpy(np.asarray(data.features[rows], dtype=np.float32))[None]  # [1, L, 3H]
         ids = torch.full((1, len(seq) + unroll + 1), -1, dtype=torch.int64)
         ids[0, :len(seq)] = torch.tensor(seq)
         argmax = torch.full_like(ids, -1)
-        argmax[0, :len(seq)] = torch.from_numpy(np.asarray(labels[rows], dtype=np.int64))
+        argmax[0, :len(seq)] = torch.from_numpy(np.asarray(data.labels[rows], dtype=np.int64))
         mask = torch.zeros(1, len(seq), dtype=torch.bool)
         mask[0, max(0, plen - 2):len(seq) - 2] = True
         _, accs = T.unrolled_loss(head, embed, f, ids, argmax, mask, t2d, cfg)

@@ -3,10 +3,13 @@
 - Features: one teacher-forced pass of the target over prompt + answer gives, per position p,
   the inputs of layers (2, L//2, L-3) (the EAGLE-3 fusion input) and the target's own argmax
   (the label: for a greedy answer it is the next answer token, for a sampled one it is what the
-  target would have said there); cached on disk (features fp16, labels int32).
+  target would have said there), and its top-k tokens with their probabilities (soft labels);
+  cached on disk (features fp16, labels int32, soft labels int32 + fp16).
 - Draft vocabulary: the most frequent answer tokens (d2t: target_id = draft_id + d2t[draft_id]);
   the head's LM head rows start from the target's embedding rows of those tokens.
-- Objective: token cross-entropy against the target's argmax with training-time unrolling
+- Objective: token cross-entropy against the target's distribution (soft labels: its top-k
+  probabilities, stored beside the features, renormalized over the draft vocabulary; or its
+  argmax alone, soft_topk = 0) with training-time unrolling
   (EAGLE-3's "training-time test"): step 1 reads the target's features, step j > 1 reads the
   head's own output of step j-1 and the true token, attending to the step-1 keys of earlier
   positions and to its own chain, i.e. exactly what drafting at inference sees. Only positions
@@ -50,6 +53,7 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     feature_layers: tuple[int, ...] | None = None  # inputs of these target layers; None = 2, L//2, L-3
+    soft_topk: int = 32               # soft labels: the target's top-k probabilities (0 = its argmax)
 
 
 # ---- data ----
@@ -77,43 +81,78 @@ def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return t2d
 
 
-def _digest(seqs) -> str:
-    h = hashlib.sha1()
+def _hashed(seqs, h=None):
+    """sha1 over the sequences, continuing `h` (a hashlib sha1) when given"""
+    h = h or hashlib.sha1()
     for s, plen in seqs:
         h.update(np.asarray(s + [plen, -1], dtype=np.int64).tobytes())
-    return h.hexdigest()
+    return h
+
+
+def _digest(seqs) -> str:
+    return _hashed(seqs).hexdigest()
+
+
+@dataclass(frozen=True)
+class TargetPass:
+    """What the teacher-forced target pass leaves per position (rows in sequence order)."""
+    features: np.ndarray            # [T, 3H] fp16: the inputs of the fused layers
+    labels: np.ndarray              # [T] int32: the target's argmax
+    soft_ids: np.ndarray | None     # [T, K] int32: its K most likely tokens (None: no soft labels)
+    soft_probs: np.ndarray | None   # [T, K] fp16: their probabilities
+
+
+def _cache_arrays(width: int, soft_topk: int) -> dict[str, tuple[str, type, tuple[int, ...]]]:
+    """TargetPass field -> (file, dtype, shape after the token axis)"""
+    arrays = {"features": ("features.f16", np.float16, (width,)), "labels": ("labels.i32", np.int32, ())}
+    if soft_topk:
+        arrays |= {"soft_ids": ("soft_ids.i32", np.int32, (soft_topk,)),
+                   "soft_probs": ("soft_probs.f16", np.float16, (soft_topk,))}
+    return arrays
 
 
 def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...] | None = None,
-                     batch_tokens: int = 4096, dtype: str = "float32") -> tuple[np.memmap, np.memmap]:
-    """Teacher-forced target pass in `dtype`; -> features memmap [total_tokens, 3H] fp16 and
-    labels memmap [total_tokens] int32 (the target's argmax at each position; rows in sequence
-    order). A cache made for a prefix of `seqs` (the corpus before it grew) is extended, not redone."""
+                     batch_tokens: int = 4096, dtype: str = "float32", soft_topk: int = 0) -> TargetPass:
+    """Teacher-forced target pass in `dtype` -> TargetPass (memmaps): the features and, at each
+    position, the target's argmax and (soft_topk > 0) its soft_topk most likely tokens with their
+    probabilities. Resumable: the cache records how many sequences it holds after each group of
+    ~batch_tokens, so an interrupted pass, or one over a corpus that grew (the cache holds a
+    prefix of `seqs`), goes on from there."""
     cache.mkdir(parents=True, exist_ok=True)
     total = sum(len(s) for s, _ in seqs)
     meta = cache / "features.json"
     tconf = load_target_config(target_dir)
     layers = tuple(layers or eagle3_feature_layers(tconf.num_hidden_layers))
-    width = 3 * tconf.hidden_size
-    path, lpath = cache / "features.f16", cache / "labels.i32"
-    fixed = {"width": width, "layers": list(layers), "dtype": dtype, "labels": True}
-    key = {"tokens": total, "rows": len(seqs), "digest": _digest(seqs)} | fixed
+    arrays = _cache_arrays(3 * tconf.hidden_size, soft_topk)
+    fixed = {"width": 3 * tconf.hidden_size, "layers": list(layers), "dtype": dtype, "labels": True,
+             "soft_topk": soft_topk}
     old = json.loads(meta.read_text()) if meta.exists() else {}
-    if old == key:
-        return (np.memmap(path, dtype=np.float16, mode="r", shape=(total, width)),
-                np.memmap(lpath, dtype=np.int32, mode="r", shape=(total,)))
     done = old.get("rows", 0) if (
         {k: old.get(k) for k in fixed} == fixed
-        and 0 < old.get("rows", 0) <= len(seqs) and old.get("digest") == _digest(seqs[:old["rows"]])) else 0
-    store = np.memmap(path.with_suffix(".tmp"), dtype=np.float16, mode="w+", shape=(total, width))
-    labels = np.memmap(lpath.with_suffix(".tmp"), dtype=np.int32, mode="w+", shape=(total,))
-    offset = sum(len(s) for s, _ in seqs[:done])
-    if done:
-        store[:offset] = np.memmap(path, dtype=np.float16, mode="r", shape=(offset, width))
-        labels[:offset] = np.memmap(lpath, dtype=np.int32, mode="r", shape=(offset,))
+        and 0 < old.get("rows", 0) <= len(seqs) and old.get("digest") == _digest(seqs[:old["rows"]])
+        and all((cache / f).exists() for f, _, _ in arrays.values())) else 0
+    if done < len(seqs):
+        _extend(seqs, done, target_dir, cache, arrays, fixed, batch_tokens)
+    stores = {name: np.memmap(cache / f, dtype=t, mode="r", shape=(total, *shape))
+              for name, (f, t, shape) in arrays.items()}
+    return TargetPass(**{"soft_ids": None, "soft_probs": None} | stores)
+
+
+def _extend(seqs, done: int, target_dir: Path, cache: Path, arrays: dict, fixed: dict,
+            batch_tokens: int) -> None:
+    """Run the target over seqs[done:] into the cache files (grown to hold every sequence; new
+    files when done = 0), recording the sequences held after each group."""
+    total = sum(len(s) for s, _ in seqs)
+    stores = {}
+    for name, (f, t, shape) in arrays.items():
+        path = cache / f
+        if done:  # keep what the files hold, make room for the rest
+            with open(path, "r+b") as fh:
+                fh.truncate(total * int(np.prod(shape, dtype=np.int64)) * np.dtype(t).itemsize)
+        stores[name] = np.memmap(path, dtype=t, mode="r+" if done else "w+", shape=(total, *shape))
     target = TargetModel(target_dir, num_pages=batch_tokens // 16 + 64, page_size=16,
-                         feature_layers=layers, dtype=getattr(torch, dtype))
-    i = done
+                         feature_layers=tuple(fixed["layers"]), dtype=getattr(torch, fixed["dtype"]))
+    hasher, offset, i = _hashed(seqs[:done]), sum(len(s) for s, _ in seqs[:done]), done
     bar = tqdm(total=total, initial=offset, desc="target features", unit="tok")
     while i < len(seqs):
         group = []
@@ -123,20 +162,23 @@ def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...
         batch = _prefill_batch([s for s, _ in group], PagePool(target.cache.num_pages, 16))
         with torch.inference_mode():
             final, feats = target.hidden_states(batch)
-            argmax = target.lm_head(final).float().argmax(-1)  # [n]
+            logits = target.lm_head(final).float()  # [n, V]
+            out = {"features": feats.to(torch.float16), "labels": logits.argmax(-1).to(torch.int32)}
+            if fixed["soft_topk"]:
+                top = logits.topk(fixed["soft_topk"], dim=-1)
+                probs = torch.exp(top.values - torch.logsumexp(logits, -1, keepdim=True))
+                out |= {"soft_ids": top.indices.to(torch.int32), "soft_probs": probs.to(torch.float16)}
         n = feats.shape[0]
-        store[offset:offset + n] = feats.to(torch.float16).numpy()
-        labels[offset:offset + n] = argmax.numpy()
+        for name, store in stores.items():
+            store[offset:offset + n] = out[name].numpy()
+            store.flush()
+        _hashed(group, hasher)
         offset += n
+        record = {"tokens": offset, "rows": i, "digest": hasher.hexdigest()} | fixed
+        (cache / "features.tmp.json").write_text(json.dumps(record))
+        (cache / "features.tmp.json").rename(cache / "features.json")
         bar.update(n)
     bar.close()
-    for m, f in ((store, path), (labels, lpath)):
-        m.flush()
-        f.with_suffix(".tmp").rename(f)
-    del store, labels
-    meta.write_text(json.dumps(key))
-    return (np.memmap(path, dtype=np.float16, mode="r", shape=(total, width)),
-            np.memmap(lpath, dtype=np.int32, mode="r", shape=(total,)))
 
 
 def _prefill_batch(seqs: list[list[int]], pool: PagePool) -> RaggedBatch:
@@ -213,24 +255,51 @@ def unrolled_hidden(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, i
     return outs
 
 
+@dataclass(frozen=True)
+class SoftLabels:
+    """The target's distribution at each position, as its K most likely tokens."""
+    ids: torch.Tensor     # [B, >= L + steps, K] target token ids (-1 = pad)
+    probs: torch.Tensor   # [B, >= L + steps, K] their probabilities
+
+
+def soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+                       t2d: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft logits [N, D] against the target's distribution restricted to
+    the draft vocabulary: its top K (ids, probs [N, K]) renormalized over the tokens the draft
+    vocabulary holds (as EAGLE-3's trainers restrict the target's softmax to it)."""
+    draft = torch.where(ids >= 0, t2d[ids.clamp(min=0)], -1)  # [N, K]
+    weights = torch.where(draft >= 0, probs.to(logits.dtype), 0.0)
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)
+    logp = torch.log_softmax(logits, dim=-1).gather(1, draft.clamp(min=0))  # [N, K]
+    return -(weights * logp).sum(-1).mean()
+
+
 def unrolled_loss(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, ids: torch.Tensor,
-                  argmax: torch.Tensor, mask: torch.Tensor, t2d: torch.Tensor, cfg: TrainConfig):
-    """Cross-entropy of each step j against the target's argmax after x_{p+j+1} (in draft ids),
-    weighted decay**j.
+                  argmax: torch.Tensor, mask: torch.Tensor, t2d: torch.Tensor, cfg: TrainConfig,
+                  soft: SoftLabels | None = None):
+    """Cross-entropy of each step j against the target after x_{p+j+1}, weighted decay**j: its
+    argmax (in draft ids), or with `soft` its distribution (soft_cross_entropy).
 
     argmax: [B, >= L + steps] the target's argmax at each position (-1 = pad); mask: [B, L]
     positions whose step-1 label is an answer token; t2d: [V] draft id or -1
     -> loss, per step (hits, scored): scored = answer positions with a label, including the
-       target tokens outside the draft vocabulary (a draft can never hit those)
+       target tokens outside the draft vocabulary (a draft can never hit those); a position
+       whose argmax is outside the draft vocabulary is not trained on
     """
     n = feats.shape[1]
     loss, accs = 0.0, []
     for j, hidden in enumerate(unrolled_hidden(head, embed, feats, ids, cfg.unroll)):
-        target_ids = argmax[:, 1 + j:1 + j + n]  # the target's token after x_{p+j+1}
+        after = slice(1 + j, 1 + j + n)  # the target's token after x_{p+j+1}
+        target_ids = argmax[:, after]
         labels = torch.where(target_ids >= 0, t2d[target_ids.clamp(min=0)], -1)  # -1: no label
         valid = mask & (labels >= 0)
         logits = head.lm_head(head.norm(hidden[valid]))
-        step_loss = F.cross_entropy(logits, labels[valid]) if valid.any() else logits.sum() * 0
+        if not valid.any():
+            step_loss = logits.sum() * 0
+        elif soft is None:
+            step_loss = F.cross_entropy(logits, labels[valid])
+        else:
+            step_loss = soft_cross_entropy(logits, soft.ids[:, after][valid], soft.probs[:, after][valid], t2d)
         loss = loss + cfg.step_decay ** j * step_loss
         accs.append((int((logits.argmax(-1) == labels[valid]).sum()), int((mask & (target_ids >= 0)).sum())))
     return loss, accs
@@ -247,9 +316,9 @@ class Trainer:
         tconf = load_target_config(target_dir)
         d2t, self.coverage = draft_vocab(rows, cfg.draft_vocab_size, tconf.vocab_size)
         self.t2d = target_to_draft(d2t, tconf.vocab_size)
-        self.features, self.labels = compute_features(self.seqs, target_dir, self.work / "features",
-                                                      cfg.feature_layers, dtype=feature_dtype)
-        self.feat_std = float(np.asarray(self.features[:20000], dtype=np.float32).std())
+        self.data = compute_features(self.seqs, target_dir, self.work / "features", cfg.feature_layers,
+                                     dtype=feature_dtype, soft_topk=cfg.soft_topk)
+        self.feat_std = float(np.asarray(self.data.features[:20000], dtype=np.float32).std())
         target = TargetModel(target_dir, num_pages=1, page_size=16)
         self.embed = target.embed_tokens.weight.detach()
         self.head = random_head(tconf, 3, cfg.draft_vocab_size, seed=cfg.seed, d2t=d2t,
@@ -275,36 +344,41 @@ class Trainer:
         return c.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (self.step - c.warmup) / max(1, c.steps - c.warmup))))
 
     def _batch(self):
-        """Random sequences up to ~tokens_per_batch answer tokens, padded."""
+        """Random sequences up to ~tokens_per_batch answer tokens, padded -> (features [B, n, 3H]
+        with noise, ids [B, n + u + 1], argmax [B, n + u + 1], mask [B, n], SoftLabels or None)."""
         picked, tokens = [], 0
         while tokens < self.cfg.tokens_per_batch:
             i = int(self.rng.integers(len(self.seqs)))
             picked.append(i)
             tokens += len(self.seqs[i][0]) - self.seqs[i][1]
         n = max(len(self.seqs[i][0]) for i in picked)
-        u = self.cfg.unroll
-        feats = torch.zeros(len(picked), n, self.features.shape[1])
+        u, k, data = self.cfg.unroll, self.cfg.soft_topk, self.data
+        feats = torch.zeros(len(picked), n, data.features.shape[1])
         ids = torch.full((len(picked), n + u + 1), -1, dtype=torch.int64)
         argmax = torch.full((len(picked), n + u + 1), -1, dtype=torch.int64)
+        soft = SoftLabels(torch.full((len(picked), n + u + 1, k), -1, dtype=torch.int64),
+                          torch.zeros(len(picked), n + u + 1, k)) if k else None
         mask = torch.zeros(len(picked), n, dtype=torch.bool)
         for row, i in enumerate(picked):
             seq, plen = self.seqs[i]
-            feats[row, :len(seq)] = torch.from_numpy(np.asarray(
-                self.features[self.offsets[i]:self.offsets[i] + len(seq)], dtype=np.float32))
+            rows = slice(self.offsets[i], self.offsets[i] + len(seq))
+            feats[row, :len(seq)] = torch.from_numpy(np.asarray(data.features[rows], dtype=np.float32))
             ids[row, :len(seq)] = torch.tensor(seq)
-            argmax[row, :len(seq)] = torch.from_numpy(np.asarray(
-                self.labels[self.offsets[i]:self.offsets[i] + len(seq)], dtype=np.int64))
+            argmax[row, :len(seq)] = torch.from_numpy(np.asarray(data.labels[rows], dtype=np.int64))
+            if soft is not None:
+                soft.ids[row, :len(seq)] = torch.from_numpy(np.asarray(data.soft_ids[rows], dtype=np.int64))
+                soft.probs[row, :len(seq)] = torch.from_numpy(np.asarray(data.soft_probs[rows], dtype=np.float32))
             mask[row, max(0, plen - 2):len(seq) - 2] = True  # label x_{p+2} is an answer token
         noise = (torch.rand_like(feats) - 0.5) * 2 * self.cfg.noise * self.feat_std
-        return feats + noise, ids, argmax, mask
+        return feats + noise, ids, argmax, mask, soft
 
     def train(self) -> None:
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train EAGLE-3 head", unit="step")
         while self.step < self.cfg.steps:
-            feats, ids, argmax, mask = self._batch()
+            feats, ids, argmax, mask, soft = self._batch()
             for g in self.opt.param_groups:
                 g["lr"] = self._lr()
-            loss, accs = unrolled_loss(self.head, self.embed, feats, ids, argmax, mask, self.t2d, self.cfg)
+            loss, accs = unrolled_loss(self.head, self.embed, feats, ids, argmax, mask, self.t2d, self.cfg, soft)
             self.opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
