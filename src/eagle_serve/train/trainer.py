@@ -123,9 +123,9 @@ def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...
     meta = cache / "features.json"
     tconf = load_target_config(target_dir)
     layers = tuple(layers or eagle3_feature_layers(tconf.num_hidden_layers))
-    arrays = _cache_arrays(3 * tconf.hidden_size, soft_topk)
-    fixed = {"width": 3 * tconf.hidden_size, "layers": list(layers), "dtype": dtype, "labels": True,
-             "soft_topk": soft_topk}
+    width = 3 * tconf.hidden_size
+    arrays = _cache_arrays(width, soft_topk)
+    fixed = {"width": width, "layers": list(layers), "dtype": dtype, "labels": True, "soft_topk": soft_topk}
     old = json.loads(meta.read_text()) if meta.exists() else {}
     done = old.get("rows", 0) if (
         {k: old.get(k) for k in fixed} == fixed
@@ -307,6 +307,15 @@ def unrolled_loss(head: EagleHead, embed: torch.Tensor, feats: torch.Tensor, ids
 
 # ---- the loop ----
 
+@dataclass(frozen=True)
+class TrainBatch:
+    features: torch.Tensor       # [B, n, 3H] with noise
+    ids: torch.Tensor            # [B, n + unroll + 1] tokens (-1 = pad)
+    argmax: torch.Tensor         # [B, n + unroll + 1] the target's argmax (-1 = pad)
+    mask: torch.Tensor           # [B, n] positions whose step-1 label is an answer token
+    soft: SoftLabels | None      # the target's top-k (None: soft_topk = 0)
+
+
 class Trainer:
     def __init__(self, rows: list[dict], target_dir: Path, work: Path, cfg: TrainConfig,
                  feature_dtype: str = "float32"):
@@ -343,9 +352,8 @@ class Trainer:
             return c.lr * (self.step + 1) / c.warmup
         return c.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (self.step - c.warmup) / max(1, c.steps - c.warmup))))
 
-    def _batch(self):
-        """Random sequences up to ~tokens_per_batch answer tokens, padded -> (features [B, n, 3H]
-        with noise, ids [B, n + u + 1], argmax [B, n + u + 1], mask [B, n], SoftLabels or None)."""
+    def _batch(self) -> TrainBatch:
+        """Random sequences up to ~tokens_per_batch answer tokens, padded."""
         picked, tokens = [], 0
         while tokens < self.cfg.tokens_per_batch:
             i = int(self.rng.integers(len(self.seqs)))
@@ -370,15 +378,16 @@ class Trainer:
                 soft.probs[row, :len(seq)] = torch.from_numpy(np.asarray(data.soft_probs[rows], dtype=np.float32))
             mask[row, max(0, plen - 2):len(seq) - 2] = True  # label x_{p+2} is an answer token
         noise = (torch.rand_like(feats) - 0.5) * 2 * self.cfg.noise * self.feat_std
-        return feats + noise, ids, argmax, mask, soft
+        return TrainBatch(feats + noise, ids, argmax, mask, soft)
 
     def train(self) -> None:
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train EAGLE-3 head", unit="step")
         while self.step < self.cfg.steps:
-            feats, ids, argmax, mask, soft = self._batch()
+            b = self._batch()
             for g in self.opt.param_groups:
                 g["lr"] = self._lr()
-            loss, accs = unrolled_loss(self.head, self.embed, feats, ids, argmax, mask, self.t2d, self.cfg, soft)
+            loss, accs = unrolled_loss(self.head, self.embed, b.features, b.ids, b.argmax, b.mask, self.t2d,
+                                       self.cfg, b.soft)
             self.opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
