@@ -32,6 +32,7 @@ from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle_serve.checkpoints import save_head
+from eagle_serve.cpu_matmul import CpuLinear
 from eagle_serve.heads import EagleHead, eagle3_feature_layers, random_head
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
@@ -152,6 +153,9 @@ def _extend(seqs, done: int, target_dir: Path, cache: Path, arrays: dict, fixed:
         stores[name] = np.memmap(path, dtype=t, mode="r+" if done else "w+", shape=(total, *shape))
     target = TargetModel(target_dir, num_pages=batch_tokens // 16 + 64, page_size=16,
                          feature_layers=tuple(fixed["layers"]), dtype=getattr(torch, fixed["dtype"]))
+    for m in [*target.hf.modules(), *(m for p in target.layers for m in (p.qkv, p.gate_up))]:
+        if isinstance(m, CpuLinear):  # oneDNN's GEMM: training needs no row-invariance, and over
+            m.cpu_kernel = False      # thousands of rows it runs ~1.45x the row kernel's speed
     hasher, offset, i = _hashed(seqs[:done]), sum(len(s) for s, _ in seqs[:done]), done
     bar = tqdm(total=total, initial=offset, desc="target features", unit="tok")
     while i < len(seqs):
