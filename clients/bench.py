@@ -61,8 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the server's)")
     p.add_argument("--target", default=str(paths.default_target_dir()), help="HF folder for hf modes")
     p.add_argument("--dtype", default="auto", help="hf modes: float32|float64|bfloat16|float16|auto "
-                   "(auto = what the server runs: bfloat16 on CUDA and on CPUs with native bf16, "
-                   "else float32)")
+                   "(auto = what the server runs for this target, settings.torch_dtype)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10,
                    help="hf-lookup: prompt_lookup_num_tokens")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per mode first")
@@ -224,7 +223,8 @@ class HFRunner:
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype, self.device == "cuda"))
+        dtype = torch_dtype(dtype, self.device == "cuda", Path(folder))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         self.model = model.to(self.device).eval()
         self.tokenizer = load_tokenizer(folder)
         self.eos = list(eos_token_ids(folder))

@@ -5,11 +5,12 @@
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
 16 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel where this CPU
 has AVX2, and its bf16 where oneDNN runs it),
-then the default target's forward in the server's `auto` dtype (bf16 on CPUs with native bf16,
-else fp32) for 1 to 16 new tokens of one request at context 200, its linears reading oneDNN's
-packed weights or the dense ones, or running the fp32 row kernel on the dense weights or on the
-exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one C++ call
-(eagle_serve.cpu_stack, the server's path) (interleaved).
+then the default target's forward in the server's `auto` dtype (fp32 where the CPU kernels build:
+the target is GGUF blocks) for 1 to 16 new tokens of one request at context 200, its linears
+reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
+weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
+C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
+target in bf16 (oneDNN's linears; what `auto` runs for dense targets there) (interleaved).
 docs/performance.md quotes it.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from eagle_serve import paths
-from eagle_serve.cpu_matmul import CpuLinear, onednn_bf16
+from eagle_serve.cpu_matmul import CpuLinear, native_bf16, onednn_bf16
 from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from kernels.cpu import cpu_kernels
@@ -62,8 +63,8 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     tokens of one request at `context`, its linears reading oneDNN's packed weights, the dense
     ones, or (fp32 with AVX2) running the row kernel on the dense weights or on their exact
     Q4_1/Q8_0 blocks where found (eagle_serve.cpu_quant), layer by layer or in one call
-    (eagle_serve.cpu_stack) (interleaved)."""
-    dtype = torch_dtype("auto")
+    (eagle_serve.cpu_stack), and in bf16 where the CPU computes it natively (interleaved)."""
+    dtype = torch_dtype("auto", target_dir=paths.default_target_dir())
     model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
     every = [m for m in model.hf.modules() if isinstance(m, CpuLinear)]
     every += [m for p in model.layers for m in (p.qkv, p.gate_up) if isinstance(m, CpuLinear)]
@@ -78,6 +79,10 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     names = list(weights) + (["row kernel"] if any(kernel) else [])
     names += ["block kernel"] if any(b is not None for b in blocks) else []
     names += ["one call"] if stack is not None else []
+    bf16 = None
+    if native_bf16() and dtype != torch.bfloat16:
+        bf16 = TargetModel(paths.default_target_dir(), dtype=torch.bfloat16, num_pages=64)
+        names.append("bf16")
     times: dict = {}
     for _ in range(repeats):
         for rows in rows_list:
@@ -90,7 +95,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
-                model.logits(batch, torch.arange(rows))
+                (bf16 if name == "bf16" else model).logits(batch, torch.arange(rows))
                 times.setdefault((rows, name), []).append(time.perf_counter() - start)
     print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
     for rows in rows_list:

@@ -6,7 +6,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from eagle_serve import paths
-from eagle_serve.settings import ServingSettings, read_settings
+from eagle_serve.settings import ServingSettings, read_settings, torch_dtype
 
 REPO = paths.REPO_ROOT / "model_repository"
 
@@ -94,10 +94,10 @@ def test_single_instance_models_ask_for_one_instance():
 
 def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
     import torch
-    assert ServingSettings(dtype="auto").torch_dtype(on_gpu=True) == torch.bfloat16
-    assert ServingSettings(dtype="float64").torch_dtype(on_gpu=False) == torch.float64
+    assert ServingSettings(dtype="auto").torch_dtype(True, REPO) == torch.bfloat16
+    assert ServingSettings(dtype="float64").torch_dtype(False, REPO) == torch.float64
     with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
-        ServingSettings(dtype="float64").torch_dtype(on_gpu=True)
+        ServingSettings(dtype="float64").torch_dtype(True, REPO)
 
 
 def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
@@ -125,10 +125,10 @@ def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
 
 
 def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_drafter(tmp_path):
-    from eagle_serve.cpu_matmul import native_bf16
     from eagle_serve.repo_config import copy_repository
+    from eagle_serve.workers import TRITON_TYPES
 
-    cpu_auto = "TYPE_BF16" if native_bf16() else "TYPE_FP32"
+    cpu_auto = TRITON_TYPES[torch_dtype("auto", False, paths.default_target_dir())]
     for config_file, want in (("config.pbtxt", cpu_auto), ("configs/gpu.pbtxt", "TYPE_BF16")):
         assert auto_complete("eagle_target", config_file)["hidden"] == want
         assert auto_complete("eagle_drafter", config_file)["features"] == want
@@ -143,7 +143,7 @@ def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_
 def test_a_worker_refuses_to_load_without_the_features_its_auto_complete_declares():
     from eagle_serve.workers import require_features
 
-    dtype = read_settings(REPO).torch_dtype(on_gpu=False)  # what a CPU worker runs
+    dtype = read_settings(REPO).torch_dtype(False, REPO)  # what a CPU worker runs
     for model, direction, name in (("eagle_target", "output", "hidden"),
                                    ("eagle_drafter", "input", "features")):
         require_features(auto_completed(model, "config.pbtxt"), direction, name, dtype)

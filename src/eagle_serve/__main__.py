@@ -43,7 +43,8 @@ def main(argv=None) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="auto", help="auto = as the server (bfloat16 on CPUs with "
-                   "native bf16, else float32), or float32|float64|bfloat16|float16")
+                   "native bf16 unless the target is GGUF blocks, else float32), or "
+                   "float32|float64|bfloat16|float16")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     args = parser.parse_args(argv)
     generate(args)

@@ -17,7 +17,9 @@ fp32 weights are checked the same way.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,6 +58,25 @@ def block_form(weight: torch.Tensor) -> BlockWeight | None:
             if found is not None:
                 return _pack(kind, *found)
     return None
+
+
+def holds_blocks(folder: str | Path) -> bool:
+    """Whether an HF folder's weights are exact GGUF blocks (its first layer's first linear has a
+    Q4_1/Q8_0 form, e.g. the default target), so float32 on the block kernels reads fewer bytes
+    than bf16. Reads that one tensor; False where the CPU kernels are missing."""
+    return _holds_blocks(str(Path(folder).resolve()))
+
+
+@functools.cache
+def _holds_blocks(folder: str) -> bool:
+    from safetensors import safe_open
+
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            key = next((k for k in f.keys() if ".layers.0." in k and k.endswith("proj.weight")), None)
+            if key is not None:
+                return block_form(f.get_tensor(key)) is not None
+    return False
 
 
 def _blocks(w: torch.Tensor, kind: str):

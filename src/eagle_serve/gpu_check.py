@@ -24,6 +24,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ if not ON_GPU:  # before anything imports triton: its kernels then run on CPU te
 from eagle_serve import paths  # noqa: E402
 from eagle_serve.local import build_local_engine  # noqa: E402
 from eagle_serve.requests import SamplingParams  # noqa: E402
-from eagle_serve.settings import EngineConfig, ServingSettings  # noqa: E402
+from eagle_serve.settings import EngineConfig, ServingSettings, torch_dtype  # noqa: E402
 from eagle_serve.tokenization import encode_prompt, eos_token_ids, load_tokenizer  # noqa: E402
 from kernels import paged_attention as pa, rejection as rj  # noqa: E402
 from kernels import sampling as sm, warmup, workspace as ws  # noqa: E402
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if ON_GPU else "cpu")
     settings = ServingSettings(**{**vars(gpu_settings()), "dtype": args.dtype})
-    dtype = settings.torch_dtype(ON_GPU)
+    dtype = torch_dtype(args.dtype, ON_GPU, Path(args.target))
     print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'no GPU: CPU, kernels through the interpreter'}"
           f"; torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')}", flush=True)
 

@@ -22,7 +22,8 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
     config: default the served one (ServingSettings' defaults, the target's EOS ids);
     corpus: the lookup corpus index ("default": the drafter's, if it has one; None: none);
     drafter_weights: see checkpoints.load_drafter; overrides: EngineConfig fields to replace."""
-    dtype = torch_dtype(dtype, torch.device(device).type == "cuda") if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str):
+        dtype = torch_dtype(dtype, torch.device(device).type == "cuda", Path(target_dir))
     config = config or EngineConfig.from_settings(ServingSettings(), eos_token_ids(target_dir))
     config = replace(config, **overrides)
     drafter = None

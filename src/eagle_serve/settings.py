@@ -49,7 +49,8 @@ class ServingSettings:
     target_model: str = "default"              # HF folder; "default" = SmolLM2-135M-Instruct
     drafter_model: str = "default-drafter"     # EAGLE head folder; "none" = no drafter
     dtype: str = "auto"                        # auto = bfloat16 on GPU and on CPUs with
-    #                                            native bf16 (AVX512-BF16/AMX), else float32
+    #                                            native bf16 (AVX512-BF16/AMX) except for a
+    #                                            target of GGUF blocks, else float32
     page_size: int = 16
     num_target_pages: int = 512                # KV pages of the target (x page_size positions)
     num_drafter_pages: int = 512
@@ -156,8 +157,9 @@ class ServingSettings:
             return default_corpus_index(drafter_dir)
         return paths.resolve_model_path(self.lookup_corpus, repo_dir)
 
-    def torch_dtype(self, on_gpu: bool):
-        return torch_dtype(self.dtype, on_gpu)
+    def torch_dtype(self, on_gpu: bool, repo_dir: Path):
+        """The model dtype of a worker of the repository at `repo_dir` (auto: see torch_dtype)."""
+        return torch_dtype(self.dtype, on_gpu, self.model_dirs(repo_dir)[0])
 
     def apply_threads(self, role: str) -> None:
         """Processes run one after another in a round; threads beyond the work oversubscribe
@@ -250,14 +252,22 @@ def parse_bool(value: str) -> bool:
     return word == "true"
 
 
-def torch_dtype(name: str, on_gpu: bool = False):
-    """A dtype name of the settings -> torch dtype (auto: bfloat16 on GPU and on CPUs that
-    compute it natively, else float32)."""
+def torch_dtype(name: str, on_gpu: bool = False, target_dir: Path | None = None):
+    """A dtype name of the settings -> torch dtype. auto: bfloat16 on GPU; on CPU bfloat16 where
+    the CPU computes it natively (AVX512-BF16/AMX), unless the target's weights are exact GGUF
+    blocks (`cpu_quant.holds_blocks`), else float32. float32 runs the CPU kernels on those blocks
+    and the layers in one C++ call: the default target's decode step took 14 ms in fp32 against
+    41 ms in bf16 on an AMX Xeon, while a dense ~1B target ran 160 ms in fp32 against 124 in bf16
+    (docs/performance.md)."""
     import torch
 
     if name == "auto":
         from eagle_serve.cpu_matmul import native_bf16
-        return torch.bfloat16 if on_gpu or native_bf16() else torch.float32
+        from eagle_serve.cpu_quant import holds_blocks
+        if on_gpu:
+            return torch.bfloat16
+        blocks = target_dir is not None and holds_blocks(target_dir)
+        return torch.bfloat16 if native_bf16() and not blocks else torch.float32
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
     if on_gpu and name == "float64":  # the attention kernel accumulates in float32

@@ -47,7 +47,7 @@ def feature_type(model_config: dict, repo: Path) -> str:
     """The Triton type of the features for a model of `repo` with this config: its settings'
     dtype on the config's instance kind."""
     on_gpu = any(g.get("kind") == "KIND_GPU" for g in model_config.get("instance_group", []))
-    return TRITON_TYPES[read_settings(repo).torch_dtype(on_gpu)]
+    return TRITON_TYPES[read_settings(repo).torch_dtype(on_gpu, repo)]
 
 
 def declare_features(auto_config, direction: str, name: str, model_file: str):
@@ -98,7 +98,7 @@ class _Worker:
         self.repo = tu.repository_dir(args)
         self.settings = read_settings(self.repo)
         self.device = instance_device(args)
-        self.dtype = self.settings.torch_dtype(self.device.type == "cuda")
+        self.dtype = self.settings.torch_dtype(self.device.type == "cuda", self.repo)
         require_features(config, *self.features, self.dtype)
         self.target_dir, self.drafter_dir = self.settings.model_dirs(self.repo)
         self.epoch = random.getrandbits(62)

@@ -127,3 +127,27 @@ def test_a_q8_0_drafter_runs_on_its_blocks_and_greedy_output_stays_plain_decodin
         assert engine.stats.draft_tokens > 0
     with pytest.raises(ValueError, match="drafter weights must be one of"):
         tiny_engine(tiny_target, eagle3_head, dtype="float32", drafter_weights="q4")
+
+
+def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_bf16_for_dense_weights(
+        tmp_path, monkeypatch):
+    """A target of exact blocks is faster in float32 on the block kernels than in bf16 even with
+    AMX (settings.torch_dtype); dense weights keep bf16 where the CPU computes it natively."""
+    from safetensors.torch import save_file
+
+    from eagle_serve import cpu_matmul
+    from eagle_serve.settings import torch_dtype
+
+    folders = {}
+    for name, weight in (("blocks", gguf_weight("q4_1", 64, 64)), ("dense", torch.randn(64, 64))):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        save_file({"model.embed_tokens.weight": torch.randn(8, 64),
+                   "model.layers.0.self_attn.q_proj.weight": weight}, folders[name] / "model.safetensors")
+    for native in (True, False):
+        monkeypatch.setattr(cpu_matmul, "native_bf16", lambda: native)
+        assert torch_dtype("auto", False, folders["blocks"]) == torch.float32
+        assert torch_dtype("auto", False, folders["dense"]) == (torch.bfloat16 if native else torch.float32)
+        assert torch_dtype("auto", True, folders["blocks"]) == torch.bfloat16
+    if (paths.default_target_dir() / "config.json").exists():
+        assert torch_dtype("auto", False, paths.default_target_dir()) == torch.float32

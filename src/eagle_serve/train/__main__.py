@@ -57,8 +57,8 @@ def main(argv=None) -> None:
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--max-tokens", type=int, default=96)
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
-                   help="in-process eval: dtype of target and head (the CPU server runs bfloat16 "
-                        "where the CPU has native bf16)")
+                   help="in-process eval: dtype of target and head (auto: what the server runs, "
+                        "settings.torch_dtype)")
     e.add_argument("--teacher-forced", type=Path, default=None, metavar="WORK",
                    help="instead: per-step accuracy along the target's greedy answers (cached in WORK)")
     args = parser.parse_args(argv)

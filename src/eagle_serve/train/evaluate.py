@@ -16,7 +16,7 @@ from eagle_serve.tokenization import encode_prompt
 def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
              max_tokens: int = 96, batch: int = 1, dtype: str = "auto") -> dict:
     """-> tau (the acceptance length), per-position acceptance (given all earlier accepted), tokens/s of k and of k=0.
-    dtype: of target and head (bfloat16 = what the server runs on CPUs with native bf16)."""
+    dtype: of target and head (auto = what the server runs)."""
     # the head's own acceptance per chain position: unpruned chains of k
     engine = build_local_engine(target_dir, head_dir, max_running=batch, dtype=dtype,
                                 draft_min_prob=0.0, draft_expand_prob=0.0)
