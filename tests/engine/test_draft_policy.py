@@ -6,12 +6,14 @@ a seeded request independent of the batch and of preemption."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 from scipy.stats import chi2
 
-from eagle_serve.drafting import MAX_PROBE_WAIT, PROBE_EVERY, DraftPolicy, best_chain
+from eagle_serve import drafting
+from eagle_serve.drafting import MAX_PROBE_WAIT, PROBE_BUDGET, PROBE_EVERY, DraftPolicy, best_chain
 from eagle_serve.lookup import CONTEXT
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
@@ -81,26 +83,39 @@ def test_a_sampled_chain_shortens_and_stops_as_its_acceptance_falls_and_probes_a
         lengths.append(round_(0))
     falling = lengths[3:]
     assert falling == sorted(falling, reverse=True) and falling[-1] == 0 and 1 in falling
-    waited = [round_(0) for _ in range(PROBE_EVERY)]
-    assert waited == [0] * (PROBE_EVERY - 1) + [1]      # then one probe draft
+    wait = math.ceil((0.1 + 0.16) / PROBE_BUDGET)  # a probe costs a call and a row
+    waited = [round_(0) for _ in range(wait)]
+    assert waited == [0] * (wait - 1) + [1]      # then one probe draft
     fixed = policy_request(policy, SamplingParams(temperature=0.7, draft_depth=2))
     fixed.acceptance = req.acceptance
     assert policy.round_shape(fixed, 100, 1).nodes == 2  # an explicit depth is kept
 
 
-def test_probes_of_a_request_whose_drafts_never_pay_come_ever_less_often():
-    policy = DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1))
+def probe_waits(policy: DraftPolicy, rounds: int) -> list[int]:
+    """Rounds between the probes of a sampled request whose drafts never pay."""
     req = policy_request(policy, SamplingParams(temperature=0.7))
     probed = []
-    for round_ in range(1, 160):
-        if policy.round_shape(req, 100, 1).nodes:
+    for round_ in range(1, rounds):
+        if policy.round_shape(req, 1000, 1).nodes:
             probed.append(round_)
             req.acceptance.observe(offered=1, accepted=0)
         else:
             req.acceptance.idle_rounds += 1
-    waits = [b - a for a, b in zip([0] + probed, probed)]
+    return [b - a for a, b in zip([0] + probed, probed)]
+
+
+def test_probes_of_a_request_whose_drafts_never_pay_come_ever_less_often(monkeypatch):
+    monkeypatch.setattr(drafting, "PROBE_BUDGET", 10.0)  # probes cheap enough for any wait
+    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1)), 160)
     assert waits[:4] == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, 8 * PROBE_EVERY + 1]
     assert set(waits[4:]) == {MAX_PROBE_WAIT + 1}
+
+
+def test_a_costly_probe_waits_until_its_cost_is_a_small_share_of_the_rounds():
+    """A probe that costs 2.1 plain rounds (a drafter call of 2, a verify row of 0.1) comes at
+    most once in 2.1 / PROBE_BUDGET rounds, far beyond MAX_PROBE_WAIT."""
+    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1)), 400)
+    assert len(waits) >= 3 and set(waits) == {math.ceil(2.1 / PROBE_BUDGET) + 1}
 
 
 def test_requests_that_share_a_drafter_call_draft_where_one_alone_would_not():
@@ -152,10 +167,12 @@ def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_rejection_sample
 
 @pytest.mark.parametrize("lookup_tokens", [0, 4])
 def test_a_request_whose_drafts_do_not_pay_skips_the_drafter_between_probes_and_stays_exact(
-        tiny_target, eagle3_head, prompts, hf_greedy, lookup_tokens):
+        tiny_target, eagle3_head, prompts, hf_greedy, lookup_tokens, monkeypatch):
     """Its head is probed again even where its context lookups draft every round (prompts
     that repeat themselves): the policy follows the head's own drafts."""
-    # A drafter call costs two plain rounds here: one draft can never pay, so only probes draft.
+    # A drafter call costs two plain rounds here: one draft can never pay, so only probes draft
+    # (made cheap enough to come every PROBE_EVERY rounds).
+    monkeypatch.setattr(drafting, "PROBE_BUDGET", 10.0)
     engine = tiny_engine(tiny_target, eagle3_head, draft_call_cost=2.0, draft_step_cost=0.1,
                          max_running=4, lookup_tokens=lookup_tokens)
     calls = record_drafter_calls(engine)

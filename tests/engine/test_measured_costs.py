@@ -4,6 +4,8 @@ verify rows stop a busy batch from drafting and cheap ones let it draft; seeded 
 requests keep the static costs; the engine records its calls, and its output stays exact."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from eagle_serve.costs import MIN_CALLS, MeasuredCosts
@@ -121,7 +123,7 @@ def test_a_lookup_branch_is_as_long_as_the_requests_lookup_acceptance_pays_for()
     """A lookup draft costs one verify row and no drafter call: branches of lookup_tokens while
     the request's lookups are mostly accepted, shorter ones as fewer are, then none but a probe
     now and then."""
-    from eagle_serve.drafting import PROBE_EVERY
+    from eagle_serve.drafting import PROBE_BUDGET, PROBE_EVERY
 
     policy = DraftPolicy(EngineConfig.served(lookup_tokens=4))
     req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None,
@@ -136,8 +138,8 @@ def test_a_lookup_branch_is_as_long_as_the_requests_lookup_acceptance_pays_for()
     assert branch(90) == [3, 4, 5, 6]
     assert branch(30) == [3]
     assert branch(5) == []
-    req.lookup_acceptance.idle_rounds = PROBE_EVERY
-    assert policy.lookups(req, left=10, batch_size=1)[0].tokens == [3]  # a probe
+    req.lookup_acceptance.idle_rounds = max(PROBE_EVERY, math.ceil(policy.costs.shares(1).step / PROBE_BUDGET))
+    assert policy.lookups(req, left=10, batch_size=1)[0].tokens == [3]  # a probe (its row's cost in budget)
     policy.config = EngineConfig.served(lookup_tokens=4, draft_call_cost=0.0, draft_step_cost=0.0)
     assert branch(5) == [3, 4, 5, 6]  # costs off: every lookup drafts in full
 
