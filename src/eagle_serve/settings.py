@@ -256,9 +256,9 @@ def torch_dtype(name: str, on_gpu: bool = False, target_dir: Path | None = None)
     """A dtype name of the settings -> torch dtype. auto: bfloat16 on GPU; on CPU bfloat16 where
     the CPU computes it natively (AVX512-BF16/AMX), unless the target's weights are exact GGUF
     blocks (`cpu_quant.holds_blocks`), else float32. float32 runs the CPU kernels on those blocks
-    and the layers in one C++ call: the default target's decode step took 14 ms in fp32 against
-    41 ms in bf16 on an AMX Xeon, while a dense ~1B target ran 160 ms in fp32 against 124 in bf16
-    (docs/performance.md)."""
+    and the layers in one C++ call: the default target's decode step took 15.6 ms in fp32 against
+    50.1 ms in bf16 on an AMX Xeon, while a dense ~1B target ran 160 ms in fp32 against 124 in
+    bf16 (docs/performance.md)."""
     import torch
 
     if name == "auto":
