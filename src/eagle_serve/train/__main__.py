@@ -57,10 +57,11 @@ def main(argv=None) -> None:
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--max-tokens", type=int, default=96)
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
-                   help="in-process eval: dtype of target and head (auto: what the server runs, "
-                        "settings.torch_dtype)")
+                   help="dtype of target and head, also of --teacher-forced's answers and features "
+                        "(auto: what the server runs, settings.torch_dtype)")
     e.add_argument("--teacher-forced", type=Path, default=None, metavar="WORK",
-                   help="instead: per-step accuracy along the target's greedy answers (cached in WORK)")
+                   help="instead: per-step accuracy along the target's greedy answers (cached in WORK, "
+                        "one per dtype)")
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from eagle_serve.train.corpus import generate_corpus
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
         if args.teacher_forced:
             report = teacher_forced_accuracy(args.head, paths.resolve_model_path(args.target),
                                              paths.read_prompts(args.prompts), args.teacher_forced,
-                                             max_tokens=args.max_tokens)
+                                             max_tokens=args.max_tokens, dtype=args.dtype)
             print(json.dumps(report, indent=2))
             return
         report = evaluate(args.head, paths.resolve_model_path(args.target),

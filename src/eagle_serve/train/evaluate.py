@@ -10,6 +10,7 @@ import torch
 
 from eagle_serve.requests import SamplingParams, acceptance_length
 from eagle_serve.local import build_local_engine
+from eagle_serve.settings import torch_dtype
 from eagle_serve.tokenization import encode_prompt
 
 
@@ -40,10 +41,13 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
 
 @torch.inference_mode()
 def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str], work: Path,
-                            max_tokens: int = 128, unroll: int = 3, dtype: str = "bfloat16") -> dict:
+                            max_tokens: int = 128, unroll: int = 3, dtype: str = "auto") -> dict:
     """Per-step accuracy of the unrolled head against the target's argmax along the target's own
-    greedy answers to `prompts` (answers and features cached in `work`); a target token outside
-    the draft vocabulary counts as a miss."""
+    greedy answers to `prompts` in `dtype` (auto: what the server runs for this target; answers
+    and features cached in `work`, one per dtype); a target token outside the draft vocabulary
+    counts as a miss."""
+    if dtype == "auto":
+        dtype = str(torch_dtype("auto", target_dir=Path(target_dir))).removeprefix("torch.")
     from eagle_serve.checkpoints import load_head
     from eagle_serve.target import TargetModel
     from eagle_serve.train import trainer as T
@@ -73,5 +77,5 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
         _, accs = T.unrolled_loss(head, embed, f, ids, argmax, mask, t2d, cfg)
         hits += [h for h, _ in accs]
         scored += [n for _, n in accs]
-    return {"rows": len(seqs), "positions": int(scored[0]),
+    return {"rows": len(seqs), "positions": int(scored[0]), "dtype": dtype,
             "step_accuracy": [round(float(h / n), 4) for h, n in zip(hits, scored)]}
