@@ -66,8 +66,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     (eagle_serve.cpu_stack), and in bf16 where the CPU computes it natively (interleaved)."""
     dtype = torch_dtype("auto", target_dir=paths.default_target_dir())
     model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
-    every = [m for m in model.hf.modules() if isinstance(m, CpuLinear)]
-    every += [m for p in model.layers for m in (p.qkv, p.gate_up) if isinstance(m, CpuLinear)]
+    every = model.cpu_linears()
     kernel = [m.cpu_kernel for m in every]
     blocks = [m.blocks for m in every]  # exact Q4_1/Q8_0 forms (cpu_quant), where found
     stack, model.stack = model.stack, None  # the layers in one call (cpu_stack), where built

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle_serve.cpu_matmul import find_block_weights, fuse_linears, use_cpu_linears
+from eagle_serve.cpu_matmul import CpuLinear, find_block_weights, fuse_linears, use_cpu_linears
 from eagle_serve.cpu_norm import use_cpu_norms
 from eagle_serve.cpu_stack import CpuDecoderStack, StackLayer, StackShape
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, TokenBan
@@ -123,6 +123,11 @@ class TargetModel:
             # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
             find_block_weights(self.hf, [m for p in self.layers for m in (p.qkv, p.gate_up)])
         self.stack = self.cpu_stack()  # None: hidden_states runs the Python loop
+
+    def cpu_linears(self) -> list[CpuLinear]:
+        """Every CpuLinear the model holds: its modules' and the fused q/k/v and gate/up ones."""
+        fused = (m for p in self.layers for m in (p.qkv, p.gate_up))
+        return [m for m in dict.fromkeys([*self.hf.modules(), *fused]) if isinstance(m, CpuLinear)]
 
     def cpu_stack(self) -> CpuDecoderStack | None:
         """The layers in one C++ call (eagle_serve.cpu_stack), where they are Llama-like (built at

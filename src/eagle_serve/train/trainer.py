@@ -32,7 +32,6 @@ from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle_serve.checkpoints import save_head
-from eagle_serve.cpu_matmul import CpuLinear
 from eagle_serve.heads import EagleHead, eagle3_feature_layers, random_head
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
@@ -90,10 +89,6 @@ def _hashed(seqs, h=None):
     return h
 
 
-def _digest(seqs) -> str:
-    return _hashed(seqs).hexdigest()
-
-
 @dataclass(frozen=True)
 class TargetPass:
     """What the teacher-forced target pass leaves per position (rows in sequence order)."""
@@ -128,21 +123,25 @@ def compute_features(seqs, target_dir: Path, cache: Path, layers: tuple[int, ...
     arrays = _cache_arrays(width, soft_topk)
     fixed = {"width": width, "layers": list(layers), "dtype": dtype, "labels": True, "soft_topk": soft_topk}
     old = json.loads(meta.read_text()) if meta.exists() else {}
-    done = old.get("rows", 0) if (
+    rows = old.get("rows", 0)
+    prefix = _hashed(seqs[:rows]) if 0 < rows <= len(seqs) else None  # continued by _extend
+    done = rows if (
         {k: old.get(k) for k in fixed} == fixed
-        and 0 < old.get("rows", 0) <= len(seqs) and old.get("digest") == _digest(seqs[:old["rows"]])
+        and prefix is not None and old.get("digest") == prefix.hexdigest()
         and all((cache / f).exists() for f, _, _ in arrays.values())) else 0
     if done < len(seqs):
-        _extend(seqs, done, target_dir, cache, arrays, fixed, batch_tokens)
+        _extend(seqs, done, target_dir, cache, arrays, fixed, batch_tokens,
+                prefix if done else hashlib.sha1())
     stores = {name: np.memmap(cache / f, dtype=t, mode="r", shape=(total, *shape))
               for name, (f, t, shape) in arrays.items()}
     return TargetPass(**{"soft_ids": None, "soft_probs": None} | stores)
 
 
 def _extend(seqs, done: int, target_dir: Path, cache: Path, arrays: dict, fixed: dict,
-            batch_tokens: int) -> None:
+            batch_tokens: int, hasher) -> None:
     """Run the target over seqs[done:] into the cache files (grown to hold every sequence; new
-    files when done = 0), recording the sequences held after each group."""
+    files when done = 0), recording the sequences held after each group; `hasher` holds the
+    digest of seqs[:done] (`_hashed`) and goes on over the rest."""
     total = sum(len(s) for s, _ in seqs)
     stores = {}
     for name, (f, t, shape) in arrays.items():
@@ -153,10 +152,9 @@ def _extend(seqs, done: int, target_dir: Path, cache: Path, arrays: dict, fixed:
         stores[name] = np.memmap(path, dtype=t, mode="r+" if done else "w+", shape=(total, *shape))
     target = TargetModel(target_dir, num_pages=batch_tokens // 16 + 64, page_size=16,
                          feature_layers=tuple(fixed["layers"]), dtype=getattr(torch, fixed["dtype"]))
-    for m in [*target.hf.modules(), *(m for p in target.layers for m in (p.qkv, p.gate_up))]:
-        if isinstance(m, CpuLinear):  # oneDNN's GEMM: training needs no row-invariance, and over
-            m.cpu_kernel = False      # thousands of rows it runs ~1.45x the row kernel's speed
-    hasher, offset, i = _hashed(seqs[:done]), sum(len(s) for s, _ in seqs[:done]), done
+    for m in target.cpu_linears():  # oneDNN's GEMM: training needs no row-invariance, and over
+        m.cpu_kernel = False         # thousands of rows it runs ~1.45x the row kernel's speed
+    offset, i = sum(len(s) for s, _ in seqs[:done]), done
     bar = tqdm(total=total, initial=offset, desc="target features", unit="tok")
     while i < len(seqs):
         group = []
