@@ -7,7 +7,11 @@ target forward is bound by memory or by per-op overhead, and costs a few percent
 it is bound by arithmetic: fp32 on an AVX2 CPU), so the engine measures them: the wall time of
 each decode/verify target call by its row count, and of each drafter call. `shares` fits the
 target's time as a line in the row count (least squares over the row counts seen, each its
-exponential moving average) and returns, for a batch of B requests:
+exponential moving average weighted by how often it ran, leaving out the largest row counts
+that together ran under TRIM of the calls: the line follows the row counts the server runs, and
+a few calls of many rows, e.g. first rounds' whole trees on 7+ rows where the fp32 block kernels
+give way to the dense weight, do not make every row look dear) and returns, for a batch of B
+requests:
 
     call = drafter call / plain round         (the call serves the round: each drafting request's
                                                tokens pay for all of it, as its round waits on it)
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 SMOOTHING = 0.2      # weight of a new sample in a row count's moving average
 MIN_CALLS = 8        # drafter calls measured before the measured shares are used
 MIN_ROW_COUNTS = 2   # distinct target row counts measured (a slope needs two)
+MAX_WEIGHT = 100     # calls a row count's weight in the line counts (recent ones matter too)
+TRIM = 0.05          # share of the calls, the largest row counts', the line leaves out
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class DraftCosts:
 class MeasuredCosts:
     def __init__(self):
         self.target: dict[int, float] = {}   # rows -> moving average of the call's seconds
+        self.calls: dict[int, int] = {}      # rows -> calls measured (up to MAX_WEIGHT)
         self.drafter: float | None = None    # moving average of a drafter call's seconds
         self.drafter_calls = 0
 
@@ -46,20 +53,25 @@ class MeasuredCosts:
     def record_target(self, rows: int, seconds: float) -> None:
         """A decode/verify target call of `rows` rows (no prefill in it) took `seconds`."""
         self.target[rows] = self._average(self.target.get(rows), seconds)
+        self.calls[rows] = min(self.calls.get(rows, 0) + 1, MAX_WEIGHT)
 
     def record_drafter(self, seconds: float) -> None:
         self.drafter = self._average(self.drafter, seconds)
         self.drafter_calls += 1
 
     def line(self) -> tuple[float, float] | None:
-        """(intercept, slope) of the target's seconds against its row count, or None."""
+        """(intercept, slope) of the target's seconds against its row count (each row count
+        weighted by its calls, the rarest largest ones left out), or None."""
         if len(self.target) < MIN_ROW_COUNTS:
             return None
-        n = len(self.target)
-        mean_r = sum(self.target) / n
-        mean_t = sum(self.target.values()) / n
-        var = sum((r - mean_r) ** 2 for r in self.target)
-        slope = sum((r - mean_r) * (t - mean_t) for r, t in self.target.items()) / var
+        w, rows, left = self.calls, sorted(self.target), TRIM * sum(self.calls.values())
+        while len(rows) > MIN_ROW_COUNTS and w[rows[-1]] <= left:
+            left -= w[rows.pop()]
+        total = sum(w[r] for r in rows)
+        mean_r = sum(w[r] * r for r in rows) / total
+        mean_t = sum(w[r] * self.target[r] for r in rows) / total
+        var = sum(w[r] * (r - mean_r) ** 2 for r in rows)
+        slope = sum(w[r] * (r - mean_r) * (self.target[r] - mean_t) for r in rows) / var
         return mean_t - slope * mean_r, slope
 
     def shares(self, batch_size: int) -> DraftCosts | None:
