@@ -7,7 +7,7 @@ target forward is bound by memory or by per-op overhead, and costs a few percent
 it is bound by arithmetic: fp32 on an AVX2 CPU), so the engine measures them: the wall time of
 each decode/verify target call by its row count, and of each drafter call. `shares` fits the
 target's time as a line in the row count (least squares over the row counts seen, each its
-exponential moving average weighted by how often it ran, leaving out the largest row counts
+exponential moving average weighted by how often it ran lately, leaving out the largest row counts
 that together ran under TRIM of the calls: the line follows the row counts the server runs, and
 a few calls of many rows, e.g. first rounds' whole trees on 7+ rows where the fp32 block kernels
 give way to the dense weight, do not make every row look dear) and returns, for a batch of B
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 SMOOTHING = 0.2      # weight of a new sample in a row count's moving average
 MIN_CALLS = 8        # drafter calls measured before the measured shares are used
 MIN_ROW_COUNTS = 2   # distinct target row counts measured (a slope needs two)
-MAX_WEIGHT = 100     # calls a row count's weight in the line counts (recent ones matter too)
+DECAY = 0.995        # a row count's weight in the line: its calls, each older call counting
+#                      this much less (the last few hundred calls set the shares)
 TRIM = 0.05          # share of the calls, the largest row counts', the line leaves out
 
 
@@ -42,7 +43,7 @@ class DraftCosts:
 class MeasuredCosts:
     def __init__(self):
         self.target: dict[int, float] = {}   # rows -> moving average of the call's seconds
-        self.calls: dict[int, int] = {}      # rows -> calls measured (up to MAX_WEIGHT)
+        self.calls: dict[int, float] = {}    # rows -> its calls, decayed (DECAY)
         self.drafter: float | None = None    # moving average of a drafter call's seconds
         self.drafter_calls = 0
 
@@ -53,7 +54,9 @@ class MeasuredCosts:
     def record_target(self, rows: int, seconds: float) -> None:
         """A decode/verify target call of `rows` rows (no prefill in it) took `seconds`."""
         self.target[rows] = self._average(self.target.get(rows), seconds)
-        self.calls[rows] = min(self.calls.get(rows, 0) + 1, MAX_WEIGHT)
+        for r in self.calls:
+            self.calls[r] *= DECAY
+        self.calls[rows] = self.calls.get(rows, 0.0) + 1.0
 
     def record_drafter(self, seconds: float) -> None:
         self.drafter = self._average(self.drafter, seconds)

@@ -55,15 +55,16 @@ def test_the_shares_are_the_drafter_call_and_a_row_of_every_request_against_the_
 
 def test_the_line_follows_the_row_counts_the_server_runs_not_a_few_slow_calls_of_many_rows():
     costs = measured(0.013, 0.0017, 0.005, rows=range(1, 4))
-    for _ in range(30):
-        for r in range(1, 4):
-            costs.record_target(r, 0.013 + 0.0017 * r)
-    for r in range(7, 11):  # once each: many rows, on a slower kernel
-        costs.record_target(r, 0.043)
+    for _ in range(100):  # a long run: 180 rounds of 1-3 rows for each one of 7-10 rows
+        for _ in range(60):
+            for r in range(1, 4):
+                costs.record_target(r, 0.013 + 0.0017 * r)
+        for r in range(7, 11):  # many rows, on a slower kernel
+            costs.record_target(r, 0.043)
     intercept, slope = costs.line()
     assert slope == pytest.approx(0.0017)  # every row count alike: ~0.0038
     assert costs.shares(1).step == pytest.approx(slope / (0.013 + 0.0017))
-    for _ in range(10):  # as often as the others: now they count
+    for _ in range(40):  # as often as the others: now they count
         for r in range(7, 11):
             costs.record_target(r, 0.043)
     assert costs.line()[1] > 0.003
