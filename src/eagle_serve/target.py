@@ -121,13 +121,17 @@ class TargetModel:
         self.layers = [self._plan(i) for i in range(self.num_layers)]
         if self.hf.device.type == "cpu":
             # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
-            find_block_weights(self.hf, [m for p in self.layers for m in (p.qkv, p.gate_up)])
+            find_block_weights(self.hf, self.fused_linears())
         self.stack = self.cpu_stack()  # None: hidden_states runs the Python loop
 
+    def fused_linears(self) -> list[nn.Module]:
+        """Each layer's fused q/k/v and gate/up linears (not among the HF model's modules)."""
+        return [m for p in self.layers for m in (p.qkv, p.gate_up)]
+
     def cpu_linears(self) -> list[CpuLinear]:
-        """Every CpuLinear the model holds: its modules' and the fused q/k/v and gate/up ones."""
-        fused = (m for p in self.layers for m in (p.qkv, p.gate_up))
-        return [m for m in dict.fromkeys([*self.hf.modules(), *fused]) if isinstance(m, CpuLinear)]
+        """Every CpuLinear the model holds: its modules' and the fused ones."""
+        every = dict.fromkeys([*self.hf.modules(), *self.fused_linears()])
+        return [m for m in every if isinstance(m, CpuLinear)]
 
     def cpu_stack(self) -> CpuDecoderStack | None:
         """The layers in one C++ call (eagle_serve.cpu_stack), where they are Llama-like (built at
