@@ -68,11 +68,14 @@ def hf_peer(folder: str, dtype: str):
 
 def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str,
             concurrency: int = 1, sampling: dict | None = None, seeded: bool = True,
-            hf: tuple[str, str] | None = None) -> dict:
+            hf: tuple[str, str] | None = None, ignore_eos: bool = False) -> dict:
     """Each group of `concurrency` prompts runs through every config in turn (its prompts as
     concurrent streams); tokens/s = a config's tokens over its groups' wall time. Sampled
     requests carry a seed per prompt unless `seeded` is false. hf: (target folder, dtype) of the
-    `hf` config (default: the default target in bf16)."""
+    `hf` config (default: the default target in bf16). ignore_eos: every request emits
+    max_tokens (as vLLM's and SGLang's serving benchmarks' --ignore-eos), so that configs whose
+    sampled outputs differ still run the same work: a group's wall time is its longest stream's,
+    and a group whose other streams stop early emits fewer tokens in that time."""
     sampling = sampling or {}
     if PEER in configs and concurrency != 1:
         raise SystemExit(f"the {PEER} peer runs one stream: use --concurrency 1")
@@ -86,6 +89,7 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
 
     for c in configs:  # warm-up, untimed
         generate(c, prompts[0], max_tokens=8)
+    eos = {"ignore_eos": True} if ignore_eos else {}
     groups = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
     with futures.ThreadPoolExecutor(concurrency) as pool:
         for n, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
@@ -93,7 +97,7 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
             for c in configs:
                 def run(i_prompt):
                     i, prompt = i_prompt
-                    return generate(c, prompt, max_tokens=max_tokens,
+                    return generate(c, prompt, max_tokens=max_tokens, **eos,
                                     **({"seed": 1000 * n + i} if sampling and seeded else {}), **sampling)
                 start = time.perf_counter()
                 gens = list(pool.map(run, enumerate(group)))
@@ -156,6 +160,8 @@ def main(argv=None) -> None:
                    help="> 0: sampled requests, seeded per prompt (outputs differ by config)")
     p.add_argument("--unseeded", action="store_true",
                    help="sampled requests without a seed (as most chat clients send them)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request emits --max-tokens (sampled outputs differ by config)")
     p.add_argument("--hf-target", default=str(paths.default_target_dir()),
                    help="the hf config's model folder (the served target's)")
     p.add_argument("--hf-dtype", default="bfloat16", help="the hf config's dtype")
@@ -168,7 +174,8 @@ def main(argv=None) -> None:
     before = source_counts(args.metrics_url) if args.metrics_url else None
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
                       {"temperature": args.temperature} if args.temperature else None,
-                      seeded=not args.unseeded, hf=(args.hf_target, args.hf_dtype))
+                      seeded=not args.unseeded, hf=(args.hf_target, args.hf_dtype),
+                      ignore_eos=args.ignore_eos)
     if before is not None:
         after = source_counts(args.metrics_url)
         results["accepted_by_source"] = {s: after[s] - before[s] for s in after}

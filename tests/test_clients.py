@@ -95,8 +95,8 @@ def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_serv
     assert "vanilla" in got.stdout and "hf-lookup" in got.stdout  # the printed table
 
 
-def test_speedup_matrix_runs_every_case_with_identical_greedy_output(triton_server, tiny_models,
-                                                                     tmp_path):
+def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_length_sampled_output(
+        triton_server, tiny_models, tmp_path):
     server = tiny_server(triton_server, tiny_models, "eagle3")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Write a haiku about the sea."}\n')
@@ -109,6 +109,8 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output(triton_serv
     assert len(cases) == 4 and all(c["default"]["tokens_per_s"] > 0 for c in cases.values())
     greedy = [c for c in cases.values() if not c["temperature"]]
     assert all(c["default"]["same_as_first"] == c["default"]["requests"] == 2 for c in greedy)
+    sampled = [c for c in cases.values() if c["temperature"]]
+    assert all(c[k]["tokens"] == 2 * 8 for c in sampled for k in ("0", "default"))  # EOS ignored
     assert "| greedy, 2 streams, 8 tokens |" in got.stdout and png.stat().st_size > 10_000
 
 
