@@ -7,11 +7,11 @@ A config is `K` (a chain of K drafts; 0 = plain decoding), `KxTOPKxDEPTH` (a dyn
 tree: K nodes verified per round, TOPK children per node, DEPTH levels), `default` (the
 server's defaults), `head` (the defaults with the lookup draft sources off) or `hf` (Hugging
 Face `generate` on the same weights, in this process, in `--hf-dtype`: bench.py's HFRunner; one
-stream only). The prompts go
-in groups of `--concurrency` (1: one at a time), each group through every config in turn
-(round-robin), so slow drift of the machine hits every config alike. Tokens/s per config = its
-tokens over its request latencies (groups: their wall time); speedup = that over the first
-config's; tau = tokens per verify round; greedy outputs are checked against the first config's.
+stream only). The prompts go in groups of `--concurrency` (1: one at a time), each group
+through every config in turn (round-robin, the order reversed every other group), so drift of
+the machine hits every config alike. Tokens/s per config = its tokens over its request
+latencies (groups: their wall time); speedup = that over the first config's; tau = tokens per
+verify round; greedy outputs are checked against the first config's.
 """
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     groups = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
     with futures.ThreadPoolExecutor(concurrency) as pool:
         for n, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
-            first = None
-            for c in configs:
+            outputs = {}
+            for c in (configs if n % 2 == 0 else configs[::-1]):  # drift within a group cancels
                 def run(i_prompt):
                     i, prompt = i_prompt
                     return generate(c, prompt, max_tokens=max_tokens, **eos,
@@ -105,16 +105,17 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
                 for gen in gens:
                     if gen.error:
                         raise SystemExit(f"{c}: {gen.error}")
-                first = first or [g.output_ids for g in gens]
+                outputs[c] = [g.output_ids for g in gens]
                 t = totals[c]
                 t["seconds"] += wall if concurrency > 1 else gens[0].latency_s
                 t["requests"] += len(gens)
-                t["same_as_first"] += sum(g.output_ids == f for g, f in zip(gens, first))
                 for gen in gens:
                     t["tokens"] += len(gen.output_ids)
                     t["rounds"] += gen.counters.get("num_rounds", 0)
                     t["accepted"] += gen.counters.get("num_accepted_tokens", 0)
                     t["drafted"] += gen.counters.get("num_draft_tokens", 0)
+            for c, outs in outputs.items():
+                totals[c]["same_as_first"] += sum(o == f for o, f in zip(outs, outputs[configs[0]]))
     base = totals[configs[0]]["tokens"] / totals[configs[0]]["seconds"]
     out = {}
     for c, t in totals.items():

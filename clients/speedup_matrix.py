@@ -5,7 +5,7 @@
         --json docs/matrix.json --plot docs/matrix.png
 
 Each case runs speedup_curve.measure: the prompts go in groups of the case's concurrency, each
-group through every config in turn (plain decoding first), so drift hits every config alike.
+group through every config in turn (reversed every other group), so drift hits every config alike.
 Sampled requests carry no seed unless --seeded, and ignore EOS: their outputs differ by config,
 and a group of streams runs as long as its longest one, so a config whose other streams happened
 to stop early would seem slower for doing less work (plain decoding against a server drafting
