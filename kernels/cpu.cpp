@@ -1,12 +1,14 @@
-// Row-invariant CPU kernels for AVX2 + FMA (kernels/cpu.py compiles and loads them): a verify
-// row gets exactly the bits its one-token decode step gets, because every output element is
-// computed by the same instruction sequence whatever the other rows, the tile it falls in or the
-// thread that runs it (threads split independent outputs: torch's pool, at::parallel_for).
+// Row-invariant CPU kernels for AVX2 + FMA, and for AVX-512 where the CPU has it (kernels/cpu.py
+// compiles and loads them): a verify row gets exactly the bits its one-token decode step gets,
+// because every output element is computed by the same instruction sequence whatever the other
+// rows, the tile it falls in or the thread that runs it (threads split independent outputs:
+// torch's pool, at::parallel_for).
 //
-// linear: out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]), fp32: eight lanes of fused
-//   multiply-adds along k in order, then one fixed lane reduction. Tiles of up to 4 rows x 3
-//   output features keep 12 accumulators in registers and read each weight vector once per 4
-//   rows (a single row: 1 x 4); how rows and features are tiled never changes an element's sum.
+// linear: out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]), fp32: eight lanes (sixteen where built
+//   for AVX-512) of fused multiply-adds along k in order, then one fixed lane reduction. Tiles of
+//   up to 4 rows x 3 output features keep 12 accumulators in registers and read each weight
+//   vector once per 4 rows (a single row: 1 x 4); how rows and features are tiled never changes
+//   an element's sum.
 // linear_q4_1, linear_q8_0: `linear` of a weight held block-quantized (GGUF's layouts) whose
 //   blocks rebuild the dense fp32 weight exactly: the same bits, from a fifth of the bytes.
 // rms_norm: each row's sum of squares by the same eight-lane sequence, then scale * (x * inv).
@@ -31,25 +33,57 @@ inline float lane_sum(__m256 v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+// The vector the linears sum along k: 16 lanes where the build has AVX-512 (kernels/cpu.py builds
+// it so on CPUs with AVX512F/DQ: half the FMAs of a verify row), else 8. The lane reduction is
+// fixed either way, so every row of a build gets one instruction sequence (the bits differ between
+// the two builds, as between any two float kernels).
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+using vec = __m512;
+constexpr int64_t kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float f) { return _mm512_set1_ps(f); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload_half(const float* p) { return _mm512_maskz_loadu_ps(0xFF, p); }  // 8, zeros above
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {  // lanes i + (i + 8) first, then lane_sum
+  return lane_sum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+#else
+using vec = __m256;
+constexpr int64_t kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float f) { return _mm256_set1_ps(f); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload_half(const float* p) { return _mm256_loadu_ps(p); }  // never called: K % 8 == 0
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return lane_sum(v); }
+#endif
+
 // RB rows of x [.., K] against NB weight rows w [.., K] -> out[r * N + n]; pf: NB weight rows
-// to prefetch meanwhile (or null)
+// to prefetch meanwhile (or null). K % 8 == 0: a last 8 (16-lane build, K % 16 == 8) loads zeros
+// above them, which add nothing.
 template <int RB, int NB>
 inline void tile(const float* x, const float* w, int64_t K, float* out, int64_t N, const float* pf) {
-  __m256 acc[RB][NB];
+  vec acc[RB][NB];
   for (int r = 0; r < RB; ++r)
-    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    if (pf && k % 16 == 0)  // a 64-byte line of each row every other step
-      for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * K + k), _MM_HINT_T0);
-    __m256 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
+    for (int n = 0; n < NB; ++n) acc[r][n] = vzero();
+  auto step = [&](int64_t k, auto load) {
+    vec wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = load(w + n * K + k);
     for (int r = 0; r < RB; ++r) {
-      __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+      const vec xv = load(x + r * K + k);
+      for (int n = 0; n < NB; ++n) acc[r][n] = vfma(xv, wv[n], acc[r][n]);
     }
+  };
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    if (pf && k % 16 == 0)  // a 64-byte line of each row every 16 floats
+      for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(pf + n * K + k), _MM_HINT_T0);
+    step(k, [](const float* p) { return vload(p); });
   }
+  if (k < K) step(k, [](const float* p) { return vload_half(p); });
   for (int r = 0; r < RB; ++r)
-    for (int n = 0; n < NB; ++n) out[r * N + n] = lane_sum(acc[r][n]);
+    for (int n = 0; n < NB; ++n) out[r * N + n] = vsum(acc[r][n]);
 }
 
 // all R rows against NB weight rows starting at output feature n, in tiles of up to RB rows (x
@@ -88,46 +122,57 @@ void matmul(const float* x, int64_t R, int64_t K, const float* w, int64_t N, flo
 // instead of 4.
 
 struct Q4_1 {  // q [N, K / 2]: byte j of a block holds weight j (low nibble) and j + 16 (high)
-  static constexpr int wide_rows = 5;  // up to this many rows, tiles 2 weight rows wide (qlinear)
+  static constexpr int wide_rows = 5;  // on AVX2, up to this many rows tile 2 weight rows wide
   const uint8_t* q; const float* dm; int64_t K;  // dm [N, K / 32, 2]: scale d, offset m
-  // the 8 weights k0 + 8 s .. k0 + 8 s + 7 of row n (k0 a block start, s = 0 .. 3)
-  inline __m256 group(int64_t n, int64_t k0, int s) const {
-    const uint8_t* b = q + n * (K / 2) + k0 / 2 + (s & 1) * 8;
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
-    v = s < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+  // the kLanes weights k0 + kLanes s .. of row n (k0 a block start, s < 32 / kLanes)
+  inline vec group(int64_t n, int64_t k0, int s) const {
+    const uint8_t* b = q + n * (K / 2) + k0 / 2;
     const float* p = dm + (n * (K / 32) + k0 / 32) * 2;
-    return _mm256_fmadd_ps(_mm256_set1_ps(p[0]), _mm256_cvtepi32_ps(v), _mm256_set1_ps(p[1]));
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    v = s == 0 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
+    return _mm512_fmadd_ps(vset1(p[0]), _mm512_cvtepi32_ps(v), vset1(p[1]));
+#else
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + (s & 1) * 8)));
+    v = s < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    return _mm256_fmadd_ps(vset1(p[0]), _mm256_cvtepi32_ps(v), vset1(p[1]));
+#endif
   }
 };
 
 struct Q8_0 {  // q [N, K] int8, d [N, K / 32]
   static constexpr int wide_rows = 4;
   const int8_t* q; const float* d; int64_t K;
-  inline __m256 group(int64_t n, int64_t k0, int s) const {
-    const int8_t* b = q + n * K + k0 + s * 8;
-    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
-    return _mm256_mul_ps(_mm256_set1_ps(d[n * (K / 32) + k0 / 32]), _mm256_cvtepi32_ps(v));
+  inline vec group(int64_t n, int64_t k0, int s) const {
+    const int8_t* b = q + n * K + k0 + s * kLanes;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    return _mm512_mul_ps(vset1(d[n * (K / 32) + k0 / 32]), _mm512_cvtepi32_ps(v));
+#else
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+    return _mm256_mul_ps(vset1(d[n * (K / 32) + k0 / 32]), _mm256_cvtepi32_ps(v));
+#endif
   }
 };
 
 // `tile` for RB rows of x against NB rows n.. of a quantized weight W (K a multiple of 32)
 template <int RB, int NB, typename W>
 inline void qtile(const float* x, const W& w, int64_t n0, int64_t K, float* out, int64_t N) {
-  __m256 acc[RB][NB];
+  vec acc[RB][NB];
   for (int r = 0; r < RB; ++r)
-    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_ps();
+    for (int n = 0; n < NB; ++n) acc[r][n] = vzero();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    for (int s = 0; s < 4; ++s) {
-      __m256 wv[NB];
+    for (int s = 0; s < 32 / kLanes; ++s) {
+      vec wv[NB];
       for (int n = 0; n < NB; ++n) wv[n] = w.group(n0 + n, k0, s);
       for (int r = 0; r < RB; ++r) {
-        __m256 xv = _mm256_loadu_ps(x + r * K + k0 + s * 8);
-        for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+        const vec xv = vload(x + r * K + k0 + s * kLanes);
+        for (int n = 0; n < NB; ++n) acc[r][n] = vfma(xv, wv[n], acc[r][n]);
       }
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int n = 0; n < NB; ++n) out[r * N + n] = lane_sum(acc[r][n]);
+    for (int n = 0; n < NB; ++n) out[r * N + n] = vsum(acc[r][n]);
 }
 
 // R = RB rows (1 .. 6) against all N weight rows, threads splitting them in blocks of NB
@@ -140,29 +185,47 @@ void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
 }
 
 // Rebuilding a weight costs more than the FMAs that use it, so every row shares each rebuilt
-// weight vector: one tile of all rows, 2 weight rows wide up to W::wide_rows rows, else 1
-// (measured fastest on an AVX2 CPU, an AMD EPYC: SmolLM2-135M's Q4_1 layer linears at 4 rows
-// 25% faster 2 wide than 1 wide, at 5 rows 14%, at 6 rows 7% slower; its Q8_0 LM head at 4 rows
-// alike, at 5 rows 8% slower; 7+ rows would rebuild twice and run about as fast on the dense
-// weight, so callers pass at most 6).
+// weight vector in registers: one tile of all rows, 2 weight rows wide where the registers allow
+// (measured on an AVX2 CPU, an AMD EPYC: SmolLM2-135M's Q4_1 layer linears at 4 rows 25% faster
+// 2 wide than 1 wide, at 5 rows 14%, at 6 rows 7% slower; its Q8_0 LM head at 4 rows alike, at 5
+// rows 8% slower). More rows than a tile holds (AVX2's 16 registers: 6; AVX-512's 32: 12) run in
+// chunks of that many, each rebuilding the weight again: on a Xeon with AVX-512 faster than one
+// pass over a rebuilt copy in L1 (16 rows: 31 against 40 ms for the default target's linears),
+// and than the dense weight for any row count (8 / 16 / 64 rows: 14 / 26 / 93 ms against 27 / 44
+// / 129); built for AVX2 there, 8 rows 24 against 29 ms, 16 rows 44 against 43, 32 rows 86
+// against 71 (hence kMaxBlockRows).
+constexpr int64_t kTileRows = kLanes == 16 ? 12 : 6;
+
+template <typename W>
+void qmatmul_rows(const float* x, int64_t R, int64_t K, const W& w, int64_t N, float* out) {
+  constexpr int wide = kLanes == 16 ? 12 : W::wide_rows;  // up to this many rows, tiles 2 wide
+  switch (R) {
+    case 1: qmatmul<1, 2>(x, K, w, N, out); break;
+    case 2: qmatmul<2, 2>(x, K, w, N, out); break;
+    case 3: qmatmul<3, 2>(x, K, w, N, out); break;
+    case 4: qmatmul<4, wide >= 4 ? 2 : 1>(x, K, w, N, out); break;
+    case 5: qmatmul<5, wide >= 5 ? 2 : 1>(x, K, w, N, out); break;
+    case 6: qmatmul<6, wide >= 6 ? 2 : 1>(x, K, w, N, out); break;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    case 7: qmatmul<7, 2>(x, K, w, N, out); break;
+    case 8: qmatmul<8, 2>(x, K, w, N, out); break;
+    case 9: qmatmul<9, 2>(x, K, w, N, out); break;
+    case 10: qmatmul<10, 2>(x, K, w, N, out); break;
+    case 11: qmatmul<11, 2>(x, K, w, N, out); break;
+    case 12: qmatmul<12, 2>(x, K, w, N, out); break;
+#endif
+  }
+}
+
 template <typename W>
 torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
                       const c10::optional<torch::Tensor>& bias) {
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t R = rows.size(0), K = rows.size(1);
-  TORCH_CHECK(R <= kMaxBlockRows, "quantized linears take 0 .. ", kMaxBlockRows, " rows");
   auto out = torch::empty({R, N}, x.options());
-  const float* xp = rows.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (R) {
-    case 0: break;
-    case 1: qmatmul<1, 2>(xp, K, w, N, op); break;
-    case 2: qmatmul<2, 2>(xp, K, w, N, op); break;
-    case 3: qmatmul<3, 2>(xp, K, w, N, op); break;
-    case 4: qmatmul<4, W::wide_rows >= 4 ? 2 : 1>(xp, K, w, N, op); break;
-    case 5: qmatmul<5, W::wide_rows >= 5 ? 2 : 1>(xp, K, w, N, op); break;
-    default: qmatmul<6, 1>(xp, K, w, N, op);
-  }
+  for (int64_t r = 0; r < R; r += kTileRows)
+    qmatmul_rows(rows.data_ptr<float>() + r * K, std::min(kTileRows, R - r), K, w, N,
+                 out.data_ptr<float>() + r * N);
   if (bias.has_value()) out.add_(*bias);
   auto shape = x.sizes().vec();
   shape.back() = N;
@@ -311,7 +374,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   return out.view(shape);
 }
 
-// x [..., K] fp32 (at most 6 rows); q [N, K / 2] uint8, dm [N, K / 32, 2] fp32 (Q4_1 above); bias
+// x [..., K] fp32; q [N, K / 2] uint8, dm [N, K / 32, 2] fp32 (Q4_1 above); bias
 // [N] or None -> [..., N]
 torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
                           const c10::optional<torch::Tensor>& bias) {
@@ -323,7 +386,7 @@ torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const 
   return qlinear(x, Q4_1{q.data_ptr<uint8_t>(), dm.data_ptr<float>(), K}, N, bias);
 }
 
-// x [..., K] fp32 (at most 6 rows); q [N, K] int8, d [N, K / 32] fp32 (Q8_0 above); bias [N] or
+// x [..., K] fp32; q [N, K] int8, d [N, K / 32] fp32 (Q8_0 above); bias [N] or
 // None -> [..., N]
 torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                           const c10::optional<torch::Tensor>& bias) {
@@ -408,6 +471,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k, k and v written to their cache slots");
   m.def("rms_norm", &rms_norm, "row-wise fp32 RMSNorm (AVX2 + FMA)");
   m.def("linear", &linear, "row-invariant fp32 linear (AVX2 + FMA)");
+  m.attr("max_block_rows") = kMaxBlockRows;
   m.def("linear_q4_1", &linear_q4_1, "the fp32 linear of a Q4_1 weight, bitwise `linear`'s");
   m.def("linear_q8_0", &linear_q8_0, "the fp32 linear of a Q8_0 weight, bitwise `linear`'s");
   m.def("attend", &attend, "row-invariant attention of each query over its own key slots");

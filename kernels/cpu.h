@@ -5,8 +5,14 @@
 
 #include <vector>
 
-// the most rows linear_q4_1 / linear_q8_0 take (eagle_serve.cpu_quant.MAX_BLOCK_ROWS)
-constexpr int64_t kMaxBlockRows = 6;
+// the most rows for which linear_q4_1 / linear_q8_0 beat the dense `linear` (cpu.cpp's qlinear
+// runs any number, in chunks of 12 rows on AVX-512 and of 6 on AVX2, where past 12 rows the dense
+// weight is faster)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+constexpr int64_t kMaxBlockRows = INT64_MAX;
+#else
+constexpr int64_t kMaxBlockRows = 12;
+#endif
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,

@@ -10,7 +10,8 @@ SDPA by shape). cpu_stack.cpp strings them, and the ATen ops between them, into 
 layer stack in one call (eagle_serve.cpu_stack); cpu_random.cpp draws kernels.sampling's keyed
 noise and runs its exponential race in one pass. Compiled once per machine by
 torch.utils.cpp_extension into torch's extension cache (TORCH_EXTENSIONS_DIR; `make setup` does
-it, about a minute), loaded from there after.
+it, about a minute), loaded from there after; on CPUs with AVX512F/DQ built for AVX-512, whose
+linears sum 16 lanes at a time (other bits than the AVX2 build's, row-invariant alike).
 """
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def wide_linears() -> bool:
+    """Whether the kernels are built for AVX-512 here (AVX512F and DQ): cpu.cpp's linears then sum
+    16 lanes at a time, halving the FMAs of a verify row (docs/performance.md)."""
+    return {"avx512f", "avx512dq"} <= cpu_flags()
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled cpu.cpp, cpu_stack.cpp and cpu_random.cpp (`linear`, `attend`, `race`, ...), or None where this CPU
@@ -39,8 +46,9 @@ def cpu_kernels():
 
     try:
         sources = [str(Path(__file__).with_name(f)) for f in ("cpu.cpp", "cpu_stack.cpp", "cpu_random.cpp")]
-        return load("eagle_cpu_kernels", sources,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+        name, isa = ("eagle_cpu_kernels_avx512", ["-mavx512f", "-mavx512dq"]) if wide_linears() else ("eagle_cpu_kernels", [])
+        return load(name, sources,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", *isa, "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, ...: the PyTorch paths still work
         warnings.warn(f"the CPU kernels (kernels/cpu.cpp) did not build, using PyTorch's: {e}")

@@ -9,8 +9,8 @@ each decode/verify target call by its row count, and of each drafter call. `shar
 target's time as a line in the row count (least squares over the row counts seen, each its
 exponential moving average weighted by how often it ran lately, leaving out the largest row counts
 that together ran under TRIM of the calls: the line follows the row counts the server runs, and
-a few calls of many rows, e.g. first rounds' whole trees on 7+ rows where the fp32 block kernels
-give way to the dense weight, do not make every row look dear) and returns, for a batch of B
+a few calls of many rows, e.g. first rounds' whole trees and their lookup branches, do not make
+every row look dear) and returns, for a batch of B
 requests:
 
     call = drafter call / plain round         (the call serves the round: each drafting request's

@@ -30,9 +30,9 @@ bandwidth for a decode step: the linears of the default target take 24 ms agains
 compiler, oneDNN's packed fp32 runs (not row-invariant: float rounding only).
 
 A GGUF target's fp32 weights are exactly block-quantized values (eagle_serve.cpu_quant): where a
-weight's Q4_1 or Q8_0 blocks are found, up to 6 rows run cpu.cpp's `linear_q4_1`/`linear_q8_0`
-on them, with `linear`'s bits from a fifth of the bytes (7+ rows: the dense weight, the same
-bits again, about as fast there).
+weight's Q4_1 or Q8_0 blocks are found, cpu.cpp's `linear_q4_1`/`linear_q8_0` run on them, with
+`linear`'s bits from a fifth of the bytes (on AVX2 up to 12 rows, past which the dense weight is
+faster; on AVX-512 any number).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import threading
 import torch
 from torch import nn
 
-from eagle_serve.cpu_quant import MAX_BLOCK_ROWS, BlockWeight, block_form, round_to_q8_0
+from eagle_serve.cpu_quant import BlockWeight, block_form, max_block_rows, round_to_q8_0
 from kernels.cpu import cpu_flags, cpu_kernels
 
 
@@ -108,7 +108,7 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel and x.dtype == torch.float32 and not x.requires_grad:  # kernels/cpu.cpp
-            if self.blocks is not None and x.shape[:-1].numel() <= MAX_BLOCK_ROWS:
+            if self.blocks is not None and x.shape[:-1].numel() <= max_block_rows():
                 return self.blocks.linear(x, self.bias)  # the same bits from fewer bytes
             return cpu_kernels().linear(x, self.weight, self.bias)
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):

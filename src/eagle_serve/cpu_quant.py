@@ -26,9 +26,13 @@ import torch
 from kernels.cpu import cpu_kernels
 
 BLOCK = 32
-MAX_BLOCK_ROWS = 6  # more rows run about as fast on the dense weight (kernels/cpu.cpp's qlinear)
 _SCALE_STEPS = (0, -1, 1, -2, 2)  # fp16 neighbours of the estimated scale that are tried
 _LEVELS = {"q4_1": 15, "q8_0": 127}
+
+
+def max_block_rows() -> int:
+    """The most rows for which the block kernels beat the dense one (kernels/cpu.h)."""
+    return cpu_kernels().max_block_rows
 
 
 @dataclass(frozen=True)

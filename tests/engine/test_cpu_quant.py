@@ -8,7 +8,7 @@ from torch import nn
 
 from eagle_serve import paths
 from eagle_serve.cpu_matmul import CpuLinear, find_block_weights, fuse_linears
-from eagle_serve.cpu_quant import MAX_BLOCK_ROWS, block_form, round_to_q8_0
+from eagle_serve.cpu_quant import block_form, round_to_q8_0
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.requests import SamplingParams
@@ -29,20 +29,22 @@ def test_a_gguf_weight_is_found_again_and_gives_the_dense_kernels_bits_for_any_r
     linear.weight.data.copy_(weight)
     ours = CpuLinear(linear)
     assert ours.find_blocks().kind == kind
-    x = torch.randn(12, shape[1])
+    x = torch.randn(20, shape[1])
     threads = torch.get_num_threads()
     with torch.inference_mode():
         dense = cpu_kernels().linear(x, weight, linear.bias.detach())
-        for rows in range(0, 13):  # up to MAX_BLOCK_ROWS on the blocks, then on the dense weight
+        alone = torch.cat([form.linear(x[r:r + 1], linear.bias.detach()) for r in range(20)])
+        for rows in range(0, 21):  # 1 .. 6 rows tile in registers, 7+ on a rebuilt buffer
+            assert torch.equal(form.linear(x[:rows], linear.bias.detach()), alone[:rows]), f"{rows} rows"
             assert torch.equal(ours(x[:rows]), dense[:rows]), f"{rows} rows"
-        alone = torch.cat([form.linear(x[r:r + 1], linear.bias.detach()) for r in range(MAX_BLOCK_ROWS)])
         torch.set_num_threads(1)
         try:
-            assert torch.equal(form.linear(x[:MAX_BLOCK_ROWS], linear.bias.detach()), alone)
+            for rows in (6, 20):
+                assert torch.equal(form.linear(x[:rows], linear.bias.detach()), alone[:rows])
         finally:
             torch.set_num_threads(threads)
-    assert torch.equal(alone, dense[:MAX_BLOCK_ROWS])
-    torch.testing.assert_close(alone.double(), x[:MAX_BLOCK_ROWS].double() @ weight.double().T
+    assert torch.equal(alone, dense)
+    torch.testing.assert_close(alone.double(), x.double() @ weight.double().T
                                + linear.bias.detach().double(), rtol=1e-4, atol=1e-4)
 
 
