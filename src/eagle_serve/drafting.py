@@ -179,9 +179,7 @@ class DraftPolicy:
         return limit == 0 or batch_size <= limit
 
     def _lookups_allowed(self, req: Request, batch_size: int) -> bool:
-        """Greedy requests: while trees are; sampled ones: while they may draft at all."""
-        if req.greedy:
-            return self._trees_allowed(batch_size)
+        """While the request may draft at all."""
         return not self._over_draft_batch(req, batch_size)
 
     def _over_draft_batch(self, req: Request, batch_size: int) -> bool:

@@ -179,3 +179,18 @@ def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
     assert policy.lookups(req, left=10, batch_size=1, head_path=[2, 3]) == [
         Proposal([2, 3, 4, 5, 9], CONTEXT, 3)]
     assert policy.lookups(req, left=4, batch_size=1, head_path=[2, 3])[0].tokens == [2, 3, 4, 5]
+
+
+def test_a_greedy_request_beside_others_looks_up_while_it_may_draft_at_all():
+    """Lookups cost verify rows and no drafter call: a greedy request drafts them in a batch
+    too (chains of the head beside them), up to max_draft_batch running requests."""
+    from eagle_serve.drafting import DraftPolicy
+    from eagle_serve.requests import Request
+    from eagle_serve.settings import EngineConfig
+
+    policy = DraftPolicy(EngineConfig.served(lookup_tokens=3, max_tree_batch=1, max_draft_batch=4,
+                                             draft_call_cost=0.0, draft_step_cost=0.0))
+    req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[7, 1, 2, 3, 4, 9, 1, 2])
+    policy.setup_lookup(req)
+    found = [Proposal([3, 4, 9], CONTEXT, 2)]
+    assert [policy.lookups(req, left=10, batch_size=b) for b in (1, 2, 4, 5)] == [found] * 3 + [[]]
