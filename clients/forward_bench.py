@@ -1,10 +1,10 @@
 """In-process timings of the CPU linears and the target forward (no server):
 
-    python clients/forward_bench.py
+    python clients/forward_bench.py [--linears-only | --target-only]
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
-16 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel where this CPU
-has AVX2, and its bf16 where oneDNN runs it),
+64 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel on dense weights
+and on GGUF blocks where this CPU has AVX2, and its bf16 where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (fp32 where the CPU kernels build:
 the target is GGUF blocks) for 1 to 16 new tokens of one request at context 200, its linears
 reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
@@ -15,6 +15,7 @@ docs/performance.md quotes it.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -22,15 +23,20 @@ from torch import nn
 
 from eagle_serve import paths
 from eagle_serve.cpu_matmul import CpuLinear, native_bf16, onednn_bf16
+from eagle_serve.cpu_quant import block_form
 from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
+from eagle_serve.testing import gguf_weight
 from kernels.cpu import cpu_kernels
 from forward_profile import decode_batch  # this script's folder is on sys.path
 
 
 def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, layers: int = 30,
-           repeats: int = 9) -> None:
-    """Median time of one pass through the linears of `layers` Llama layers + an LM head."""
+                  repeats: int = 9, rows_list=(1, 2, 3, 5, 8, 16, 32, 64)) -> None:
+    """Median time of one pass through the linears of `layers` Llama layers + an LM head: torch's
+    nn.Linear, oneDNN's packed fp32, our row kernel on the dense weights and on GGUF blocks (the
+    default target's layout: Q4_1 layers, a Q8_0 LM head; called directly, so at every row
+    count: CpuLinear takes the dense weight past the build's max_block_rows), oneDNN's bf16."""
     shapes = [(hidden, hidden), (hidden // 3, hidden), (hidden // 3, hidden), (hidden, hidden),
               (inter, hidden), (inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
     plain = [nn.Linear(i, o, bias=False) for o, i in shapes]
@@ -38,24 +44,32 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
     for m in onednn:
         m.cpu_kernel = False
     ours_bf16 = [CpuLinear(m.to(torch.bfloat16)) for m in [nn.Linear(i, o, bias=False) for o, i in shapes]]
-    configs = [(plain, torch.float32), (onednn, torch.float32)]
-    configs += [(kernel, torch.float32)] if cpu_kernels() else []
-    configs += [(ours_bf16, torch.bfloat16)] if onednn_bf16() else []
-    print("rows  nn.Linear ms  oneDNN fp32 ms" + ("  row kernel fp32 ms" if cpu_kernels() else "")
-          + ("  oneDNN bf16 ms" if onednn_bf16() else ""))
+    names = ["nn.Linear", "oneDNN fp32"]
+    configs = [([m.forward for m in plain], torch.float32), ([m.forward for m in onednn], torch.float32)]
+    if cpu_kernels():
+        distinct = {(o, i): block_form(gguf_weight("q8_0" if o == vocab else "q4_1", o, i))
+                    for o, i in set(shapes)}
+        names += ["row kernel fp32", "blocks fp32"]
+        configs += [([m.forward for m in kernel], torch.float32),
+                    ([functools.partial(distinct[s].linear, bias=None) for s in shapes], torch.float32)]
+    if onednn_bf16():
+        names.append("oneDNN bf16")
+        configs.append(([m.forward for m in ours_bf16], torch.bfloat16))
+    widths = [i for _, i in shapes]
+    print("rows  " + "  ".join(f"{n + ' ms':>18}" for n in names))
     with torch.inference_mode():
-        for rows in (1, 2, 3, 5, 8, 16):
+        for rows in rows_list:
             times = []
-            for mods, dtype in configs:
+            for calls, dtype in configs:
                 xs = {i: torch.randn(rows, i, dtype=dtype) for i in (hidden, inter)}
                 runs = []
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    for m in mods:
-                        m(xs[m.in_features])
+                    for call, width in zip(calls, widths):
+                        call(xs[width])
                     runs.append(time.perf_counter() - start)
                 times.append(sorted(runs)[repeats // 2] * 1e3)
-            print(f"{rows:4d}  " + "  ".join(f"{t:12.1f}" for t in times), flush=True)
+            print(f"{rows:4d}  " + "  ".join(f"{t:18.1f}" for t in times), flush=True)
 
 
 def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:
@@ -110,4 +124,5 @@ if __name__ == "__main__":
     import sys
     if "--target-only" not in sys.argv:
         bench_linears()
-    bench_target()
+    if "--linears-only" not in sys.argv:
+        bench_target()

@@ -190,10 +190,10 @@ void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
 // 2 wide than 1 wide, at 5 rows 14%, at 6 rows 7% slower; its Q8_0 LM head at 4 rows alike, at 5
 // rows 8% slower). More rows than a tile holds (AVX2's 16 registers: 6; AVX-512's 32: 12) run in
 // chunks of that many, each rebuilding the weight again: on a Xeon with AVX-512 faster than one
-// pass over a rebuilt copy in L1 (16 rows: 31 against 40 ms for the default target's linears),
-// and than the dense weight for any row count (8 / 16 / 64 rows: 14 / 26 / 93 ms against 27 / 44
-// / 129); built for AVX2 there, 8 rows 24 against 29 ms, 16 rows 44 against 43, 32 rows 86
-// against 71 (hence kMaxBlockRows).
+// pass of all rows over a copy rebuilt into L1 (tried), and than the dense weight at any row
+// count (`clients/forward_bench.py --linears-only`, SmolLM2-135M's linears at 8 / 16 / 64 rows:
+// 13.6 / 30.7 / 102 ms against 38.3 / 57.7 / 156); built for AVX2 there, 8 / 16 / 32 rows 27.8 /
+// 50.7 / 92.4 ms against 44.0 / 57.4 / 82.3 (hence kMaxBlockRows).
 constexpr int64_t kTileRows = kLanes == 16 ? 12 : 6;
 
 template <typename W>

@@ -10,12 +10,14 @@ SDPA by shape). cpu_stack.cpp strings them, and the ATen ops between them, into 
 layer stack in one call (eagle_serve.cpu_stack); cpu_random.cpp draws kernels.sampling's keyed
 noise and runs its exponential race in one pass. Compiled once per machine by
 torch.utils.cpp_extension into torch's extension cache (TORCH_EXTENSIONS_DIR; `make setup` does
-it, about a minute), loaded from there after; on CPUs with AVX512F/DQ built for AVX-512, whose
-linears sum 16 lanes at a time (other bits than the AVX2 build's, row-invariant alike).
+it, about a minute), loaded from there after; on CPUs with AVX512F/DQ built for AVX-512 (unless
+EAGLE_CPU_ISA=avx2), whose linears sum 16 lanes at a time (other bits than the AVX2 build's,
+row-invariant alike).
 """
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
 
@@ -31,9 +33,10 @@ def cpu_flags() -> set[str]:
 
 
 def wide_linears() -> bool:
-    """Whether the kernels are built for AVX-512 here (AVX512F and DQ): cpu.cpp's linears then sum
-    16 lanes at a time, halving the FMAs of a verify row (docs/performance.md)."""
-    return {"avx512f", "avx512dq"} <= cpu_flags()
+    """Whether the kernels are built for AVX-512 here (AVX512F and DQ, unless the environment sets
+    EAGLE_CPU_ISA=avx2): cpu.cpp's linears then sum 16 lanes at a time, halving the FMAs of a
+    verify row (docs/performance.md)."""
+    return {"avx512f", "avx512dq"} <= cpu_flags() and os.environ.get("EAGLE_CPU_ISA") != "avx2"
 
 
 @functools.cache

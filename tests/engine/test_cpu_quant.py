@@ -2,6 +2,11 @@
 dense fp32 kernel's bits; a drafter rounded to Q8_0 leaves the output exact."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +19,7 @@ from eagle_serve.kv_pages import PagePool
 from eagle_serve.requests import SamplingParams
 from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight, tiny_engine
-from kernels.cpu import cpu_kernels
+from kernels.cpu import cpu_kernels, wide_linears
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the row kernels need AVX2 and FMA")
 
@@ -46,6 +51,24 @@ def test_a_gguf_weight_is_found_again_and_gives_the_dense_kernels_bits_for_any_r
     assert torch.equal(alone, dense)
     torch.testing.assert_close(alone.double(), x.double() @ weight.double().T
                                + linear.bias.detach().double(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernels_are_built_for_avx512_where_the_cpu_has_it_unless_avx2_is_asked(monkeypatch):
+    assert cpu_kernels().__name__.endswith("_avx512") == wide_linears()
+    monkeypatch.setenv("EAGLE_CPU_ISA", "avx2")
+    assert not wide_linears()
+
+
+@pytest.mark.skipif(not wide_linears(), reason="the AVX2 build is this CPU's default: tested above")
+def test_the_avx2_build_gives_the_same_guarantees_where_avx512_is_the_default():
+    """This file and the linears' tests again, in a process with EAGLE_CPU_ISA=avx2 (the build
+    of AVX2-only CPUs: 8 lanes, 6-row tiles, the dense weight past 12 rows)."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build",
+         "tests/engine/test_cpu_quant.py", "tests/engine/test_cpu_matmul.py"],
+        cwd=root, env={**os.environ, "EAGLE_CPU_ISA": "avx2"}, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 def test_a_weight_with_no_exact_block_form_keeps_the_dense_kernel():
