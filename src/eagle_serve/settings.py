@@ -89,7 +89,7 @@ class ServingSettings:
     #                                            rows cost more); 0 = no limit
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
-    sampled_lookup_tokens: int = 0             # the same beside a sampled request's chain (0 = off)
+    sampled_lookup_tokens: int = 3             # the same beside a sampled request's chain (0 = off)
     sampled_verify: str = "auto"               # how sampled drafts are verified: "rejection"
     #                                            (rejection sampling of drafts drawn from q),
     #                                            "coupled" (drafts are the drafter's guesses at
