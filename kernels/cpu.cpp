@@ -37,7 +37,7 @@ inline float lane_sum(__m256 v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3
 // it so on CPUs with AVX512F/DQ: half the FMAs of a verify row), else 8. The lane reduction is
 // fixed either way, so every row of a build gets one instruction sequence (the bits differ between
 // the two builds, as between any two float kernels).
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#ifdef EAGLE_AVX512
 using vec = __m512;
 constexpr int64_t kLanes = 16;
 inline vec vzero() { return _mm512_setzero_ps(); }
@@ -128,7 +128,7 @@ struct Q4_1 {  // q [N, K / 2]: byte j of a block holds weight j (low nibble) an
   inline vec group(int64_t n, int64_t k0, int s) const {
     const uint8_t* b = q + n * (K / 2) + k0 / 2;
     const float* p = dm + (n * (K / 32) + k0 / 32) * 2;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#ifdef EAGLE_AVX512
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
     v = s == 0 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
     return _mm512_fmadd_ps(vset1(p[0]), _mm512_cvtepi32_ps(v), vset1(p[1]));
@@ -145,7 +145,7 @@ struct Q8_0 {  // q [N, K] int8, d [N, K / 32]
   const int8_t* q; const float* d; int64_t K;
   inline vec group(int64_t n, int64_t k0, int s) const {
     const int8_t* b = q + n * K + k0 + s * kLanes;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#ifdef EAGLE_AVX512
     const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
     return _mm512_mul_ps(vset1(d[n * (K / 32) + k0 / 32]), _mm512_cvtepi32_ps(v));
 #else
@@ -175,7 +175,7 @@ inline void qtile(const float* x, const W& w, int64_t n0, int64_t K, float* out,
     for (int n = 0; n < NB; ++n) out[r * N + n] = vsum(acc[r][n]);
 }
 
-// R = RB rows (1 .. 6) against all N weight rows, threads splitting them in blocks of NB
+// R = RB rows (1 .. kTileRows) against all N weight rows, threads splitting them in blocks of NB
 template <int RB, int NB, typename W>
 void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
   at::parallel_for(0, N / NB, 16, [&](int64_t begin, int64_t end) {
@@ -206,7 +206,7 @@ void qmatmul_rows(const float* x, int64_t R, int64_t K, const W& w, int64_t N, f
     case 4: qmatmul<4, wide >= 4 ? 2 : 1>(x, K, w, N, out); break;
     case 5: qmatmul<5, wide >= 5 ? 2 : 1>(x, K, w, N, out); break;
     case 6: qmatmul<6, wide >= 6 ? 2 : 1>(x, K, w, N, out); break;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#ifdef EAGLE_AVX512
     case 7: qmatmul<7, 2>(x, K, w, N, out); break;
     case 8: qmatmul<8, 2>(x, K, w, N, out); break;
     case 9: qmatmul<9, 2>(x, K, w, N, out); break;

@@ -5,10 +5,15 @@
 
 #include <vector>
 
+// built for AVX-512 (kernels/cpu.py passes -mavx512f -mavx512dq on CPUs that have them)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define EAGLE_AVX512 1
+#endif
+
 // the most rows for which linear_q4_1 / linear_q8_0 beat the dense `linear` (cpu.cpp's qlinear
 // runs any number, in chunks of 12 rows on AVX-512 and of 6 on AVX2, where past 12 rows the dense
 // weight is faster)
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#ifdef EAGLE_AVX512
 constexpr int64_t kMaxBlockRows = INT64_MAX;
 #else
 constexpr int64_t kMaxBlockRows = 12;
