@@ -150,10 +150,11 @@ class DraftPolicy:
         """The request's lookup branches this round: continuations of its tokens, and of its
         tokens + the head's most likely path (so a confident head's path goes deeper), each
         source at most lookup_tokens long (sampled requests: sampled_lookup_tokens), every
-        branch at most `left` deep (longest first)."""
+        branch at most `left` deep (longest first); none where the request may not draft at all
+        (`_over_draft_batch`)."""
         cfg = self.config
         depth = min(left, cfg.max_speculative_tokens)
-        if not req.lookup_budget or depth <= 0 or not self._lookups_allowed(req, batch_size):
+        if not req.lookup_budget or depth <= 0 or self._over_draft_batch(req, batch_size):
             return []
         length = self._paying_lookup(req, batch_size)
         found = []
@@ -177,10 +178,6 @@ class DraftPolicy:
     def _trees_allowed(self, batch_size: int) -> bool:
         limit = self.config.max_tree_batch
         return limit == 0 or batch_size <= limit
-
-    def _lookups_allowed(self, req: Request, batch_size: int) -> bool:
-        """While the request may draft at all."""
-        return not self._over_draft_batch(req, batch_size)
 
     def _over_draft_batch(self, req: Request, batch_size: int) -> bool:
         """More requests run than the request may draft beside (max_draft_batch; sampled ones
