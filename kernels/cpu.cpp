@@ -232,40 +232,64 @@ torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
   return out.view(shape);
 }
 
-// 8 floats from fp32 or bf16 memory
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// a vector of floats from fp32 or bf16 memory: kLanes of them, or (`half`, AVX-512 only: a
+// head's last 8 where D % 16 == 8) 8 and zeros above; and its store
+#ifdef EAGLE_AVX512
+inline vec vload(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline vec vload_half(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_zextps256_ps512(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+}
+inline void vstore(float* p, vec v, bool half) {
+  if (half) _mm512_mask_storeu_ps(p, 0xFF, v);
+  else _mm512_storeu_ps(p, v);
+}
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+#else
+inline vec vload(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+inline vec vload_half(const at::BFloat16* p) { return vload(p); }  // never called: D % 8 == 0
+inline void vstore(float* p, vec v, bool) { _mm256_storeu_ps(p, v); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+#endif
+template <typename T>
+inline vec vload_part(const T* p, bool half) { return half ? vload_half(p) : vload(p); }
 
 // C consecutive q heads of one query (q [C, D]) over the keys at slots[0 .. L) of one kv head:
-// out [C, D]. Each head's score for a key is the same eight-lane FMA sequence along D and lane
-// sum, its softmax one pass in key order, its output the weighted sum of values in key order,
-// whichever heads share the call (they share the key and value loads).
+// out [C, D]. Each head's score for a key is the same kLanes-lane FMA sequence along D and lane
+// sum, its softmax one pass in key order, its output the weighted sum of values in key order
+// (kLanes-lane FMAs, accumulated in registers over kChunk vectors of D at a time), whichever
+// heads share the call (they share the key and value loads).
 template <int C, typename T>
 void heads_over_keys(const float* q, const T* keys, const T* values, const int64_t* slots,
                      int64_t L, int64_t Hkv, int64_t g, int64_t D, float softcap, float* out,
-                     std::vector<float>& p, std::vector<float>& acc) {
+                     std::vector<float>& p) {
+  constexpr int kChunk = kLanes == 16 ? 4 : 2;  // vectors of D a pass over the values (registers)
   p.resize(C * L);
   float top[C], total[C];
   for (int c = 0; c < C; ++c) top[c] = -INFINITY, total[c] = 0.0f;
   for (int64_t j0 = 0; j0 < L; j0 += 2) {  // two keys at a time: 2 C independent sums
     const int64_t nk = std::min<int64_t>(2, L - j0);
     const T* k[2] = {keys + (slots[j0] * Hkv + g) * D, keys + (slots[j0 + nk - 1] * Hkv + g) * D};
-    __m256 a[2][C];
+    vec a[2][C];
     for (int i = 0; i < 2; ++i)
-      for (int c = 0; c < C; ++c) a[i][c] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 kv[2] = {load8(k[0] + d), load8(k[1] + d)};
+      for (int c = 0; c < C; ++c) a[i][c] = vzero();
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const bool half = d + kLanes > D;
+      const vec kv[2] = {vload_part(k[0] + d, half), vload_part(k[1] + d, half)};
       for (int c = 0; c < C; ++c) {
-        const __m256 qv = _mm256_loadu_ps(q + c * D + d);
-        for (int i = 0; i < 2; ++i) a[i][c] = _mm256_fmadd_ps(qv, kv[i], a[i][c]);
+        const vec qv = vload_part(q + c * D + d, half);
+        for (int i = 0; i < 2; ++i) a[i][c] = vfma(qv, kv[i], a[i][c]);
       }
     }
     for (int i = 0; i < nk; ++i)
       for (int c = 0; c < C; ++c) {
-        float s = lane_sum(a[i][c]);
+        float s = vsum(a[i][c]);
         if (softcap > 0) s = std::tanh(s / softcap) * softcap;
         p[c * L + j0 + i] = s;
         top[c] = std::max(top[c], s);
@@ -273,19 +297,26 @@ void heads_over_keys(const float* q, const T* keys, const T* values, const int64
   }
   for (int c = 0; c < C; ++c)
     for (int64_t j = 0; j < L; ++j) total[c] += (p[c * L + j] = std::exp(p[c * L + j] - top[c]));
-  acc.assign(C * D, 0.0f);
-  for (int64_t j = 0; j < L; ++j) {
-    const T* v = values + (slots[j] * Hkv + g) * D;
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 vv = load8(v + d);
+  for (int64_t d0 = 0; d0 < D; d0 += kChunk * kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, (D - d0 + kLanes - 1) / kLanes));
+    vec acc[C][kChunk];
+    for (int c = 0; c < C; ++c)
+      for (int u = 0; u < kChunk; ++u) acc[c][u] = vzero();
+    for (int64_t j = 0; j < L; ++j) {
+      const T* v = values + (slots[j] * Hkv + g) * D + d0;
+      vec vv[kChunk];
+      for (int u = 0; u < kChunk; ++u)
+        vv[u] = u < n ? vload_part(v + u * kLanes, d0 + (u + 1) * kLanes > D) : vzero();
       for (int c = 0; c < C; ++c) {
-        float* a = &acc[c * D + d];
-        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[c * L + j]), vv, _mm256_loadu_ps(a)));
+        const vec w = vset1(p[c * L + j]);
+        for (int u = 0; u < kChunk; ++u) acc[c][u] = vfma(w, vv[u], acc[c][u]);
       }
     }
+    for (int c = 0; c < C; ++c)
+      for (int u = 0; u < n; ++u)
+        vstore(out + c * D + d0 + u * kLanes, vdiv(acc[c][u], vset1(total[c])),
+               d0 + (u + 1) * kLanes > D);
   }
-  for (int c = 0; c < C; ++c)
-    for (int64_t d = 0; d < D; ++d) out[c * D + d] = acc[c * D + d] / total[c];
 }
 
 template <typename T>
@@ -294,9 +325,9 @@ void attend_all(const float* q, const T* keys, const T* values, const int64_t* s
                 int64_t D, int64_t window, float softcap) {
   const int64_t group = Hq / Hkv;
   at::parallel_for(0, num_queries * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p, acc;
-    for (int64_t i = begin; i < end; ++i) {  // query t, kv head g: q heads g * group ..
-      const int64_t t = i / Hkv, g = i % Hkv;
+    std::vector<float> p;
+    for (int64_t i = begin; i < end; ++i) {  // kv head g (its keys stay in cache), query t
+      const int64_t g = i / num_queries, t = i % num_queries;  // q heads g * group ..
       int64_t first = starts[t];
       const int64_t last = starts[t + 1];
       if (window > 0 && last - first > window) first = last - window;
@@ -310,10 +341,10 @@ void attend_all(const float* q, const T* keys, const T* values, const int64_t* s
         }
         const int64_t* sl = slots + first;
         switch (n) {
-          case 1: heads_over_keys<1>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc); break;
-          case 2: heads_over_keys<2>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc); break;
-          case 3: heads_over_keys<3>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc); break;
-          default: heads_over_keys<4>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p, acc);
+          case 1: heads_over_keys<1>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p); break;
+          case 2: heads_over_keys<2>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p); break;
+          case 3: heads_over_keys<3>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p); break;
+          default: heads_over_keys<4>(qh, keys, values, sl, L, Hkv, g, D, softcap, o, p);
         }
       }
     }

@@ -9,6 +9,7 @@ input is checked and encoded (eagle_serve.tokenization), for preprocess and the 
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import traceback
@@ -62,6 +63,14 @@ def require_single_instance(model_config: dict) -> None:
 def repository_dir(args: dict) -> Path:
     """The model repository folder (`args["model_repository"]` is the model's own folder)."""
     return Path(args["model_repository"]).parent
+
+
+def freeze_loaded_objects() -> None:
+    """The end of a model's `initialize`: what it loaded (torch, transformers, the weights' modules:
+    ~400k objects) leaves the garbage collector's generations (gc.freeze), so no full collection
+    walks them again while requests wait (measured: 80-430 ms each, one right after start-up)."""
+    gc.collect()
+    gc.freeze()
 
 
 def input_array(request, name: str, required: bool = False) -> np.ndarray | None:

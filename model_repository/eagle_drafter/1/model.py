@@ -12,6 +12,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.worker = DrafterWorker(args)
+        tu.freeze_loaded_objects()
 
     def execute(self, requests):
         return tu.respond_each(requests, lambda request: self.worker.handle(pb_utils, request))

@@ -20,6 +20,7 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(folder)
         self.vocab_size = len(self.tokenizer)
         self.skip_special_tokens = tu.flag(params.get("skip_special_tokens", "true"))
+        tu.freeze_loaded_objects()
 
     def execute(self, requests):
         return tu.respond_each(requests, self.detokenize)

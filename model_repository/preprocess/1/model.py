@@ -18,6 +18,7 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(folder)
         self.max_input_bytes = int(params.get("max_input_bytes", 65536))
         self.apply_chat_template = chat_template_default(tu.repository_dir(args))
+        tu.freeze_loaded_objects()
 
     def execute(self, requests):
         return tu.respond_each(requests, self.encode)

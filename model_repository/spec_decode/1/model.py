@@ -41,6 +41,7 @@ class TritonPythonModel:
                                          draft_timeout_s=settings.model_call_timeout_s,
                                          on_broken=tu.stop_server,
                                          apply_chat_template=settings.apply_chat_template)
+        tu.freeze_loaded_objects()
 
     def execute(self, requests):
         for request in requests:
