@@ -18,7 +18,9 @@ requests:
     step = slope x B / plain round            (a row of one request delays all B requests)
 
 where the plain round is the target call for B rows. Until enough has been measured the policy
-uses the static settings. Seeded rejection-sampled requests always use the static settings, so
+uses the static settings: all of them until the line has two row counts, the drafter call's until
+MIN_CALLS calls were timed (a server whose head rarely pays calls it rarely, and its lookup
+branches, which cost rows only, need not wait for that). Seeded rejection-sampled requests always use the static settings, so
 their drafts, and so their output, never depend on timings (see drafting._seeded_rejection).
 """
 from __future__ import annotations
@@ -36,8 +38,8 @@ TRIM = 0.05          # share of the calls, the largest row counts', the line lea
 @dataclass(frozen=True)
 class DraftCosts:
     """What drafting adds to a round, as shares of a plain decoding round."""
-    call: float      # the drafter call
-    step: float      # one more verify row (one draft) of one request
+    call: float | None  # the drafter call (None: not measured yet)
+    step: float         # one more verify row (one draft) of one request
 
 
 class MeasuredCosts:
@@ -78,12 +80,15 @@ class MeasuredCosts:
         return mean_t - slope * mean_r, slope
 
     def shares(self, batch_size: int) -> DraftCosts | None:
-        """The costs of drafting in a round of `batch_size` requests, or None until measured."""
+        """The costs of drafting in a round of `batch_size` requests, or None until the line is
+        measured (call None until the drafter call is)."""
         fit = self.line()
-        if fit is None or self.drafter is None or self.drafter_calls < MIN_CALLS:
+        if fit is None:
             return None
         intercept, slope = fit
         plain = self.target.get(batch_size, intercept + slope * batch_size)
         if plain <= 0:
             return None
-        return DraftCosts(call=self.drafter / plain, step=max(slope, 0.0) * batch_size / plain)
+        timed = self.drafter is not None and self.drafter_calls >= MIN_CALLS
+        return DraftCosts(call=self.drafter / plain if timed else None,
+                          step=max(slope, 0.0) * batch_size / plain)

@@ -57,7 +57,9 @@ class RoundShape:
 # least this; a context match needs at least CONTEXT_MIN_MATCH tokens.
 CORPUS_MIN_PROB = 0.2
 CONTEXT_MIN_MATCH = 2
-# A request's acceptance estimate starts at ACCEPT_PRIOR, counted as PRIOR_WEIGHT reached drafts;
+# A request's acceptance estimate starts at the server's for its kind of drafts and requests
+# (its pooled record: the last ~1 / (1 - SERVER_DECAY) drafting rounds of every such request;
+# before any, ACCEPT_PRIOR), counted as PRIOR_WEIGHT reached drafts;
 # a request whose drafts do not pay drafts nothing, and one draft again after PROBE_EVERY rounds
 # (twice as long after each probe that did not pay, up to MAX_PROBE_WAIT rounds), and no sooner
 # than keeps its probes under PROBE_BUDGET of the batch's time: a probe costs the whole batch a
@@ -66,14 +68,16 @@ CONTEXT_MIN_MATCH = 2
 # probes every 4-32 rounds ran greedy 128-token requests at 1.12x plain decoding alone and 0.94x
 # at 4 streams, against 1.20x and 1.01x with no probes (one server each, interleaved runs).
 ACCEPT_PRIOR, PRIOR_WEIGHT, PROBE_EVERY, MAX_PROBE_WAIT, PROBE_BUDGET = 0.5, 4.0, 4, 32, 0.02
-# With measured costs and other requests running, a chain must promise this much more than plain
-# decoding (a share of its speed): acceptance estimates are noisy and a batch's round has costs
-# no timer sees, and a draft that only breaks even loses whenever the estimate was high
-# (measured: greedy at 4 streams ran 0.91x plain with 0.05, even with 0.1). So does a tree,
-# costed as one draft though it verifies several (greedy alone, 128 tokens: tau 2.01 and 1.32x
-# without the margin, tau 1.77 and 1.39x with it). A chain alone drafts whatever its measured
-# costs pay for (sampled alone, 128 tokens: 1.05x plain with the margin, 1.09x without).
-MEASURED_MARGIN = 0.1
+SERVER_DECAY = 0.99
+# With measured costs, a tree must promise MEASURED_MARGIN more than plain decoding (a share of
+# its speed), costed as one draft though it verifies several (greedy alone, 128 tokens: tau 2.01
+# and 1.32x without the margin, tau 1.77 and 1.39x with it), and beside other requests any draft
+# BATCH_MARGIN more: acceptance estimates are noisy and a batch's round has costs no timer sees,
+# so a draft that only breaks even loses whenever the estimate was high (greedy, 4 streams, in
+# process on the AVX-512 build: 0.94-0.98x plain with 0.1, 0.98x with 0.2, drafting a seventh as
+# much). A chain alone drafts whatever its measured costs pay for (sampled alone, 128 tokens:
+# 1.05x plain with the margin, 1.09x without).
+MEASURED_MARGIN, BATCH_MARGIN = 0.1, 0.2
 
 
 def best_chain(rate: float, max_depth: int, call_cost: float, step_cost: float,
@@ -94,6 +98,7 @@ class DraftPolicy:
     def __init__(self, config: EngineConfig, corpus: CorpusIndex | None = None):
         self.config, self.corpus = config, corpus
         self.costs = MeasuredCosts()  # the engine and propose_drafts record into it
+        self.pooled: dict[tuple, AcceptanceRecord] = {}  # (drafts, request kind) -> the server's
 
     def default_k(self, params: SamplingParams, has_drafter: bool) -> int:
         if not has_drafter:
@@ -105,7 +110,22 @@ class DraftPolicy:
         """A new request's verification rule (`coupled`), draft shape and lookup sources."""
         req.coupled = self.coupled(req.params)
         req.topk, req.depth = self.request_shape(req.params, req.k, req.coupled)
+        kind = (req.greedy, req.coupled)
+        req.acceptance = AcceptanceRecord(pooled=self._pool(HEAD, kind))
+        req.lookup_acceptance = AcceptanceRecord(pooled=self._pool("lookup", kind))
         self.setup_lookup(req)
+
+    def _pool(self, drafts: str, kind: tuple) -> AcceptanceRecord:
+        return self.pooled.setdefault((drafts, kind), AcceptanceRecord(decay=SERVER_DECAY))
+
+    def _rate(self, req: Request, record: AcceptanceRecord) -> float:
+        """The request's estimated acceptance: its record, from the server's record of its kind
+        (ACCEPT_PRIOR for a seeded rejection-sampled request: its drafts depend on its own
+        history only)."""
+        prior = ACCEPT_PRIOR
+        if record.pooled is not None and not _seeded_rejection(req):
+            prior = record.pooled.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
+        return record.rate(prior, PRIOR_WEIGHT)
 
     def coupled(self, params: SamplingParams) -> bool:
         """Whether a request's drafts are verified by coupling (`sampled_verify`): every sampled
@@ -215,7 +235,7 @@ class DraftPolicy:
         if depth == 0 or fixed or not (cfg.draft_call_cost or cfg.draft_step_cost):
             return depth
         tree = req.topk > 1 and self._trees_allowed(batch_size)
-        rate = req.acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
+        rate = self._rate(req, req.acceptance)
         call, step, margin = self._costs(req, load, tree)
         best = best_chain(rate, 1 if tree else depth, call, step, margin)
         if best == 0:
@@ -231,7 +251,7 @@ class DraftPolicy:
         if not (cfg.draft_call_cost or cfg.draft_step_cost):
             return limit
         _, step, margin = self._costs(req, _load(req, batch_size))
-        rate = req.lookup_acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
+        rate = self._rate(req, req.lookup_acceptance)
         best = best_chain(rate, limit, 0.0, step, margin)
         if best == 0:
             return _probe(req.lookup_acceptance, step)
@@ -240,18 +260,21 @@ class DraftPolicy:
 
     def _costs(self, req: Request, load: int, tree: bool = False) -> tuple[float, float, float]:
         """(drafter call, one draft, margin) as shares of a plain round for this request:
-        measured on this machine (eagle_serve.costs) once enough rounds ran, with
-        MEASURED_MARGIN beside other requests or for a tree; else the static settings (one
-        drafter call serves every drafting request of the round, so each bears a share of it;
-        verify rows cost more in a fuller batch). A seeded rejection-sampled request always gets
-        the static ones, so its drafts never depend on timings."""
+        measured on this machine (eagle_serve.costs) once enough rounds ran (the call once
+        enough drafter calls ran), with BATCH_MARGIN beside other requests and MEASURED_MARGIN
+        for a tree alone; else the static settings (one drafter call serves every drafting
+        request of the round, so each bears a share of it; verify rows cost more in a fuller
+        batch). A seeded rejection-sampled request always gets the static ones, so its drafts
+        never depend on timings."""
         cfg = self.config
         measured = None
         if cfg.measured_draft_costs and not _seeded_rejection(req):
             measured = self.costs.shares(load)
+        call = cfg.draft_call_cost / load
         if measured is not None:
-            return measured.call, measured.step, MEASURED_MARGIN if load > 1 or tree else 0.0
-        return cfg.draft_call_cost / load, cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1), 0.0
+            call = call if measured.call is None else measured.call
+            return call, measured.step, BATCH_MARGIN if load > 1 else MEASURED_MARGIN if tree else 0.0
+        return call, cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1), 0.0
 
 
 def _probe(record: AcceptanceRecord, cost: float) -> int:

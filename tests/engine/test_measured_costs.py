@@ -9,7 +9,7 @@ import math
 import pytest
 
 from eagle_serve.costs import MIN_CALLS, MeasuredCosts
-from eagle_serve.drafting import MEASURED_MARGIN, DraftPolicy
+from eagle_serve.drafting import BATCH_MARGIN, MEASURED_MARGIN, DraftPolicy
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.testing import tiny_engine
@@ -25,7 +25,7 @@ def measured(intercept: float, slope: float, drafter: float, rows=range(1, 10)) 
     return costs
 
 
-def test_nothing_is_measured_until_enough_drafter_calls_and_two_row_counts():
+def test_rows_are_measured_once_two_row_counts_ran_and_the_drafter_call_once_enough_calls_did():
     costs = MeasuredCosts()
     for _ in range(20):
         costs.record_target(4, 0.04)
@@ -34,12 +34,13 @@ def test_nothing_is_measured_until_enough_drafter_calls_and_two_row_counts():
     assert costs.shares(4) is None  # one row count: no slope
     costs.record_target(6, 0.05)
     assert costs.shares(4) is not None
-    assert measured(0.03, 0.002, 0.01, rows=[1, 2]).shares(1) is not None
+    assert measured(0.03, 0.002, 0.01, rows=[1, 2]).shares(1).call is not None
     few = MeasuredCosts()
     few.record_target(1, 0.03)
     few.record_target(2, 0.032)
+    assert few.shares(1).call is None and few.shares(1).step == pytest.approx(0.002 / 0.03)
     few.record_drafter(0.01)
-    assert few.shares(1) is None  # one drafter call
+    assert few.shares(1).call is None  # one drafter call
 
 
 def test_the_shares_are_the_drafter_call_and_a_row_of_every_request_against_the_plain_round():
@@ -90,7 +91,20 @@ def test_dear_verify_rows_stop_a_busy_batch_drafting_where_the_static_costs_woul
     assert policy.round_shape(greedy, 100, 4).nodes == 1  # switched off: static again
 
 
-def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_batch_needs_the_margin():
+def test_dear_rows_stop_lookups_before_any_drafter_call_is_measured():
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0))
+    greedy = request(policy, SamplingParams(), 42)
+    greedy.lookup_acceptance = AcceptanceRecord(reached=100, accepted=40)
+    assert policy._paying_lookup(greedy, 4) >= 1  # static costs: a looked-up draft pays
+    for _ in range(3):
+        for r in range(4, 9):  # fp32 on the AVX-512 build, in process, roughly; no drafter call
+            policy.costs.record_target(r, 0.012 + 0.0013 * r)
+    assert policy.costs.shares(4).call is None
+    assert policy._paying_lookup(greedy, 4) == 0
+    assert policy._costs(greedy, 4)[0] == pytest.approx(policy.config.draft_call_cost / 4)
+
+
+def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_batch_needs_a_margin():
     policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0))
     sampled = request(policy, SamplingParams(temperature=0.7), 40)  # a chain of 2
     policy.costs = measured(0.035, 0.003, 0.011)  # alone: 2 drafts gain ~1.08x, short of 1 + margin
@@ -101,10 +115,34 @@ def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_ba
     tree = request(policy, SamplingParams(), 45)  # a tree, costed as one draft, keeps the margin
     assert 1.0 < (1 + 0.45) / (1 + share.call + share.step) < 1 + MEASURED_MARGIN
     assert policy.round_shape(tree, 100, 1).nodes == 0
-    policy.costs = measured(0.035, 0.0002, 0.0145)  # two running: about the same gain
+    policy.costs = measured(0.034, 0.003, 0.004)  # two running: a chain of 2 gains ~1.18x
     share = policy.costs.shares(2)
-    assert 1.0 < (1 + 0.4 + 0.4 ** 2) / (1 + share.call + 2 * share.step) < 1 + MEASURED_MARGIN
+    sampled = request(policy, SamplingParams(temperature=0.7), 45)
+    gain = (1 + 0.45 + 0.45 ** 2) / (1 + share.call + 2 * share.step)
+    assert 1 + MEASURED_MARGIN < gain < 1 + BATCH_MARGIN
     assert policy.round_shape(sampled, 100, 2).nodes == 0
+    assert policy.round_shape(sampled, 100, 1).nodes == 2  # alone (no margin): it pays
+
+
+def test_a_new_request_starts_from_the_servers_acceptance_except_a_seeded_rejection_sampled_one():
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0,
+                                             sampled_verify="rejection"))
+    policy.costs = measured(0.035, 0.003, 0.011)
+    params, seeded_params = SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, seed=3)
+
+    def new(p):
+        req = Request("r", 4, p, policy.default_k(p, True), 0, None, [1, 2, 3, 4])
+        policy.setup_request(req)
+        return req
+
+    assert policy.round_shape(new(params), 100, 1).nodes == 2  # the prior: half accepted
+    earlier = new(params)
+    for _ in range(100):  # the server's sampled head drafts: one in ten accepted
+        earlier.acceptance.record(10, 1)
+    assert policy.round_shape(new(params), 100, 1).nodes == 0
+    assert policy.round_shape(new(seeded_params), 100, 1).nodes == 2  # its own history only
+    greedy = new(SamplingParams())  # a pool of its own: nothing recorded yet
+    assert policy._rate(greedy, greedy.acceptance) == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("mode", ["rejection", "auto"])
