@@ -1,6 +1,6 @@
 """In-process timings of the CPU linears and the target forward (no server):
 
-    python clients/forward_bench.py [--linears-only | --target-only]
+    python clients/forward_bench.py [--linears-only | --target-only] [--context N] [--kernels-from REV]
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
 64 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel on dense weights
@@ -11,12 +11,18 @@ reading oneDNN's packed weights or the dense ones, or running the fp32 row kerne
 weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
 C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
 target in bf16 (oneDNN's linears; what `auto` runs for dense targets there) (interleaved).
+--kernels-from REV adds the one-call forward on the C++ kernels of git revision REV, built
+beside this tree's (an A/B of a kernel change, interleaved in one process).
 docs/performance.md quotes it.
 """
 from __future__ import annotations
 
+import argparse
 import functools
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,7 +33,8 @@ from eagle_serve.cpu_quant import block_form
 from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight
-from kernels.cpu import cpu_kernels
+from eagle_serve import cpu_stack
+from kernels.cpu import SOURCES, build, cpu_kernels
 from forward_profile import decode_batch  # this script's folder is on sys.path
 
 
@@ -72,7 +79,17 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
             print(f"{rows:4d}  " + "  ".join(f"{t:18.1f}" for t in times), flush=True)
 
 
-def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7) -> None:
+def kernels_at(rev: str):
+    """The C++ kernels of git revision `rev`, built under their own name beside this tree's."""
+    folder = Path(tempfile.mkdtemp(prefix="kernels-"))
+    git = lambda *args: subprocess.run(["git", *args], check=True, capture_output=True).stdout
+    for name in (*SOURCES, "cpu.h"):
+        (folder / name).write_bytes(git("show", f"{rev}:kernels/{name}"))
+    return build(folder, suffix="_" + git("rev-parse", "--short", rev).decode().strip())
+
+
+def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7,
+                 kernels_from: str | None = None) -> None:
     """Median time of the default target's forward (+ LM head, `auto` dtype) for `rows` new
     tokens of one request at `context`, its linears reading oneDNN's packed weights, the dense
     ones, or (fp32 with AVX2) running the row kernel on the dense weights or on their exact
@@ -92,6 +109,8 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     names = list(weights) + (["row kernel"] if any(kernel) else [])
     names += ["block kernel"] if any(b is not None for b in blocks) else []
     names += ["one call"] if stack is not None else []
+    other = kernels_at(kernels_from) if kernels_from and stack is not None else None
+    names += [f"one call @{kernels_from}"] if other is not None else []
     bf16 = None
     if native_bf16() and dtype != torch.bfloat16:
         bf16 = TargetModel(paths.default_target_dir(), dtype=torch.bfloat16, num_pages=64)
@@ -102,9 +121,10 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
             batch = decode_batch(rows, context)
             for name in names:
                 for m, on, b in zip(every, kernel, blocks):
-                    m.cpu_kernel = on and name in ("row kernel", "block kernel", "one call")
-                    m.blocks = b if name in ("block kernel", "one call") else None
-                model.stack = stack if name == "one call" else None
+                    m.cpu_kernel = on and name.startswith(("row kernel", "block kernel", "one call"))
+                    m.blocks = b if name.startswith(("block kernel", "one call")) else None
+                model.stack = stack if name.startswith("one call") else None
+                cpu_stack.cpu_kernels = (lambda: other) if name.startswith("one call @") else cpu_kernels
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
@@ -121,8 +141,13 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
 
 
 if __name__ == "__main__":
-    import sys
-    if "--target-only" not in sys.argv:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--linears-only", action="store_true")
+    parser.add_argument("--target-only", action="store_true")
+    parser.add_argument("--context", type=int, default=200, help="the request's context (target)")
+    parser.add_argument("--kernels-from", metavar="REV", help="also time the kernels of this git revision")
+    args = parser.parse_args()
+    if not args.target_only:
         bench_linears()
-    if "--linears-only" not in sys.argv:
-        bench_target()
+    if not args.linears_only:
+        bench_target(context=args.context, kernels_from=args.kernels_from)

@@ -45,17 +45,25 @@ def cpu_kernels():
     lacks AVX2/FMA or the build fails (warned once; callers then take their PyTorch paths)."""
     if not {"avx2", "fma"} <= cpu_flags():
         return None
-    from torch.utils.cpp_extension import load
-
     try:
-        sources = [str(Path(__file__).with_name(f)) for f in ("cpu.cpp", "cpu_stack.cpp", "cpu_random.cpp")]
-        name, isa = ("eagle_cpu_kernels_avx512", ["-mavx512f", "-mavx512dq"]) if wide_linears() else ("eagle_cpu_kernels", [])
-        return load(name, sources,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", *isa, "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"])
+        return build(Path(__file__).parent)
     except Exception as e:  # no compiler, no ninja, ...: the PyTorch paths still work
         warnings.warn(f"the CPU kernels (kernels/cpu.cpp) did not build, using PyTorch's: {e}")
         return None
+
+
+SOURCES = ("cpu.cpp", "cpu_stack.cpp", "cpu_random.cpp")
+
+
+def build(folder: Path, suffix: str = ""):
+    """Compile (or load from the extension cache) the kernels in `folder` (this one's, or
+    another revision's for an A/B: clients/forward_bench.py --kernels-from) for this CPU."""
+    from torch.utils.cpp_extension import load
+
+    name, isa = ("eagle_cpu_kernels_avx512", ["-mavx512f", "-mavx512dq"]) if wide_linears() else ("eagle_cpu_kernels", [])
+    return load(name + suffix, [str(folder / f) for f in SOURCES],
+                extra_cflags=["-O3", "-mavx2", "-mfma", *isa, "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"])
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
