@@ -24,14 +24,13 @@ def acceptance_length(accepted_tokens: int, rounds: int) -> float:
 @dataclass
 class AcceptanceRecord:
     """A request's recent drafting: decayed counts of the draft positions its rounds reached
-    (a position is reached when every draft before it was accepted) and of those accepted;
-    each round is also recorded in `pooled` (the server's record of such drafts, if any)."""
+    (a position is reached when every draft before it was accepted) and of those accepted."""
     reached: float = 0.0
     accepted: float = 0.0
     idle_rounds: int = 0            # verified rounds in a row without drafts
     probes: int = 0                 # probe drafts since its drafts last paid (drafting._probe)
-    decay: float = 0.9              # per drafting round: recent rounds count most
-    pooled: AcceptanceRecord | None = field(default=None, repr=False)
+
+    DECAY = 0.9                     # per drafting round: recent rounds count most
 
     def observe(self, offered: int, accepted: int) -> None:
         """offered: the deepest draft of the round (a chain: its length); accepted: drafts kept."""
@@ -39,11 +38,9 @@ class AcceptanceRecord:
 
     def record(self, reached: int, accepted: int) -> None:
         """A drafting round: `reached` drafts whose parent was accepted, `accepted` of them kept."""
-        self.reached = self.decay * self.reached + reached
-        self.accepted = self.decay * self.accepted + accepted
+        self.reached = self.DECAY * self.reached + reached
+        self.accepted = self.DECAY * self.accepted + accepted
         self.idle_rounds = 0
-        if self.pooled is not None:
-            self.pooled.record(reached, accepted)
 
     def rate(self, prior: float, weight: float) -> float:
         """Estimated chance that a reached draft is accepted (`prior` counted `weight` times)."""

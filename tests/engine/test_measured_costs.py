@@ -124,27 +124,6 @@ def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_ba
     assert policy.round_shape(sampled, 100, 1).nodes == 2  # alone (no margin): it pays
 
 
-def test_a_new_request_starts_from_the_servers_acceptance_except_a_seeded_rejection_sampled_one():
-    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0,
-                                             sampled_verify="rejection"))
-    policy.costs = measured(0.035, 0.003, 0.011)
-    params, seeded_params = SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, seed=3)
-
-    def new(p):
-        req = Request("r", 4, p, policy.default_k(p, True), 0, None, [1, 2, 3, 4])
-        policy.setup_request(req)
-        return req
-
-    assert policy.round_shape(new(params), 100, 1).nodes == 2  # the prior: half accepted
-    earlier = new(params)
-    for _ in range(100):  # the server's sampled head drafts: one in ten accepted
-        earlier.acceptance.record(10, 1)
-    assert policy.round_shape(new(params), 100, 1).nodes == 0
-    assert policy.round_shape(new(seeded_params), 100, 1).nodes == 2  # its own history only
-    greedy = new(SamplingParams())  # a pool of its own: nothing recorded yet
-    assert policy._rate(greedy, greedy.acceptance) == pytest.approx(0.5)
-
-
 @pytest.mark.parametrize("mode", ["rejection", "auto"])
 def test_a_seeded_request_drafts_the_same_whatever_the_timings_where_rejection_sampled(mode):
     """Under "auto" a seeded request is coupled (its output never depends on its drafts), so it
