@@ -1,6 +1,7 @@
 """In-process timings of the CPU linears and the target forward (no server):
 
-    python clients/forward_bench.py [--linears-only | --target-only] [--context N] [--kernels-from REV]
+    python clients/forward_bench.py [--linears-only | --target-only] [--context N]
+                                    [--kernels-from REV]
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
 64 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel on dense weights

@@ -20,8 +20,9 @@ requests:
 where the plain round is the target call for B rows. Until enough has been measured the policy
 uses the static settings: all of them until the line has two row counts, the drafter call's until
 MIN_CALLS calls were timed (a server whose head rarely pays calls it rarely, and its lookup
-branches, which cost rows only, need not wait for that). Seeded rejection-sampled requests always use the static settings, so
-their drafts, and so their output, never depend on timings (see drafting._seeded_rejection).
+branches, which cost rows only, need not wait for that). Seeded rejection-sampled requests
+always use the static settings, so their drafts, and so their output, never depend on timings
+(see drafting._seeded_rejection).
 """
 from __future__ import annotations
 

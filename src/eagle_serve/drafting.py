@@ -254,10 +254,10 @@ class DraftPolicy:
         if cfg.measured_draft_costs and not _seeded_rejection(req):
             measured = self.costs.shares(load)
         call = cfg.draft_call_cost / load
-        if measured is not None:
-            call = call if measured.call is None else measured.call
-            return call, measured.step, BATCH_MARGIN if load > 1 else MEASURED_MARGIN if tree else 0.0
-        return call, cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1), 0.0
+        if measured is None:
+            return call, cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1), 0.0
+        margin = BATCH_MARGIN if load > 1 else MEASURED_MARGIN if tree else 0.0
+        return call if measured.call is None else measured.call, measured.step, margin
 
 
 def _probe(record: AcceptanceRecord, cost: float) -> int:
