@@ -52,7 +52,7 @@ def cpu_kernels():
         return None
 
 
-SOURCES = ("cpu.cpp", "cpu_stack.cpp", "cpu_random.cpp")
+SOURCES = ("cpu.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp")
 
 
 def build(folder: Path, suffix: str = ""):

@@ -33,7 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eagle_serve.cpu_matmul import round_linears_to_q8_0, use_cpu_linears
+from eagle_serve.cpu_matmul import round_linears_to_q8_0, use_cpu_linears, use_int8_activations
+from eagle_serve.cpu_quant import int8_activations_run
 from eagle_serve.cpu_norm import use_cpu_norms
 from eagle_serve.cpu_stack import head_stack
 from eagle_serve.drafter import Drafter
@@ -191,7 +192,9 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
                  num_pages: int = 256, page_size: int = 16, weights: str = "trained") -> Drafter:
     """weights: "trained" (as the checkpoint holds them) or "q8_0": on a CPU that runs fp32
     through kernels/cpu.cpp, the head's linears rounded to Q8_0 read a quarter of the bytes per
-    draft step (drafts may change slightly; the target's verification keeps output exact)."""
+    draft step (drafts may change slightly; the target's verification keeps output exact);
+    "q8_0_a8": also their inputs rounded to 8 bits per block of 32, where the CPU has
+    AVX512-VNNI (cpu_i8.cpp; elsewhere "q8_0")."""
     if weights not in DRAFTER_WEIGHTS:
         raise ValueError(f"drafter weights must be one of {DRAFTER_WEIGHTS}, got {weights!r}")
     target_dir = Path(target_dir)
@@ -200,8 +203,10 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
     if torch.device(device).type == "cpu":
         use_cpu_linears(head)
         use_cpu_norms(head)
-        if weights == "q8_0":
+        if weights in ("q8_0", "q8_0_a8"):
             round_linears_to_q8_0(head)
+        if weights == "q8_0_a8" and int8_activations_run():
+            use_int8_activations(head.modules())
     embed = ckpt.embed
     if embed is None:
         embed = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])

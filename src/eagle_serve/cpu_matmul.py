@@ -201,6 +201,18 @@ def find_block_weights(model: nn.Module, fused: list[nn.Module]) -> int:
     return sum(m.find_blocks() is not None for m in fused + own)
 
 
+def use_int8_activations(modules) -> int:
+    """Run every CpuLinear among `modules` that holds block weights (with a multiple of 16
+    outputs) on 8-bit activations (cpu_quant.BlockWeight.int8_activations) -> how many. Lossy:
+    llama.cpp's arithmetic, no longer the dense fp32 linear's bits."""
+    done = 0
+    for m in modules:
+        if isinstance(m, CpuLinear) and m.blocks is not None and m.out_features % 16 == 0:
+            m.blocks = m.blocks.int8_activations()
+            done += 1
+    return done
+
+
 def round_linears_to_q8_0(model: nn.Module) -> int:
     """Round the weight of every CpuLinear inside `model` that runs the fp32 row kernel (input
     width a multiple of 32) to GGUF's Q8_0 and run it on those blocks (a quarter of the bytes)

@@ -17,11 +17,13 @@ from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *,
                        dtype: torch.dtype | str = "auto", device="cpu",
                        config: EngineConfig | None = None, corpus: str | Path | None = "default",
-                       drafter_weights: str = ServingSettings.drafter_weights, **overrides) -> Engine:
+                       drafter_weights: str = ServingSettings.drafter_weights,
+                       target_activations: str = ServingSettings.target_activations, **overrides) -> Engine:
     """Target (and drafter, if given) in this process, caches sized from the engine config.
     config: default the served one (ServingSettings' defaults, the target's EOS ids);
     corpus: the lookup corpus index ("default": the drafter's, if it has one; None: none);
-    drafter_weights: see checkpoints.load_drafter; overrides: EngineConfig fields to replace."""
+    drafter_weights: see checkpoints.load_drafter; target_activations: see target.TargetModel;
+    overrides: EngineConfig fields to replace."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype, torch.device(device).type == "cuda", Path(target_dir))
     config = config or EngineConfig.from_settings(ServingSettings(), eos_token_ids(target_dir))
@@ -33,7 +35,8 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
                                weights=drafter_weights)
     target = TargetModel(target_dir, dtype=dtype, device=device, num_pages=config.num_target_pages,
                          page_size=config.page_size,
-                         feature_layers=drafter.feature_layers if drafter else None)
+                         feature_layers=drafter.feature_layers if drafter else None,
+                         activations=target_activations)
     tokenizer = load_tokenizer(target_dir)
     if corpus == "default":
         corpus = default_corpus_index(drafter_dir)

@@ -16,7 +16,8 @@ from pathlib import Path
 from eagle_serve import paths
 
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
-DRAFTER_WEIGHTS = ("trained", "q8_0")  # see checkpoints.load_drafter
+DRAFTER_WEIGHTS = ("trained", "q8_0", "q8_0_a8")  # see checkpoints.load_drafter
+TARGET_ACTIVATIONS = ("fp32", "int8")  # see target.TargetModel
 
 
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
@@ -112,9 +113,13 @@ class ServingSettings:
     max_queue_time_s: float = 120.0            # a request waiting longer to start fails (0 = never)
     target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
-    drafter_weights: str = "q8_0"              # "q8_0": on CPU in fp32 the head's linears are
+    drafter_weights: str = "q8_0_a8"           # "q8_0": on CPU in fp32 the head's linears are
     #                                            rounded to Q8_0 (a quarter of the bytes per
-    #                                            draft step); "trained": as trained
+    #                                            draft step); "q8_0_a8": and their inputs to 8
+    #                                            bits (AVX512-VNNI CPUs); "trained": as trained
+    target_activations: str = "fp32"           # "int8": a GGUF target's linears on inputs
+    #                                            rounded to 8 bits (llama.cpp's arithmetic;
+    #                                            faster, not the fp32 forward's bits)
     engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
 
     def __post_init__(self):
@@ -123,6 +128,9 @@ class ServingSettings:
         if self.drafter_weights not in DRAFTER_WEIGHTS:
             raise ValueError(f"drafter_weights must be one of {DRAFTER_WEIGHTS}, "
                              f"got {self.drafter_weights!r}")
+        if self.target_activations not in TARGET_ACTIVATIONS:
+            raise ValueError(f"target_activations must be one of {TARGET_ACTIVATIONS}, "
+                             f"got {self.target_activations!r}")
         check_draft_limits(self)
 
     @classmethod

@@ -145,9 +145,9 @@ def test_a_q8_0_drafter_runs_on_its_blocks_and_greedy_output_stays_plain_decodin
     params = SamplingParams(max_tokens=16, num_speculative_tokens=3)
     plain = [r.token_ids for r in tiny_engine(tiny_target, dtype="float32").generate(
         prompts, SamplingParams(max_tokens=16, num_speculative_tokens=0))]
-    for weights in ("q8_0", "trained"):
+    for weights in ("q8_0", "q8_0_a8", "trained"):
         engine = tiny_engine(tiny_target, eagle3_head, dtype="float32", drafter_weights=weights)
-        assert all((m.blocks is not None) == (weights == "q8_0") for m in linears(engine))
+        assert all((m.blocks is not None) == (weights != "trained") for m in linears(engine))
         assert [r.token_ids for r in engine.generate(prompts, params)] == plain
         assert engine.stats.draft_tokens > 0
     with pytest.raises(ValueError, match="drafter weights must be one of"):

@@ -12,7 +12,7 @@ from kernels.cpu import cpu_kernels
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the layer stack is kernels/cpu.cpp's (AVX2, FMA)")
 
 
-@pytest.mark.parametrize("weights", ["trained", "q8_0"])
+@pytest.mark.parametrize("weights", ["trained", "q8_0", "q8_0_a8"])
 @pytest.mark.parametrize("head", ["eagle1_head", "eagle3_head"])
 def test_a_heads_layers_in_one_call_draft_what_its_python_loop_drafts(head, weights, tiny_target, prompts,
                                                                       request):
