@@ -5,13 +5,15 @@
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
 64 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel on dense weights
-and on GGUF blocks where this CPU has AVX2, and its bf16 where oneDNN runs it),
+and on GGUF blocks where this CPU has AVX2, those blocks on 8-bit activations where it has
+AVX512-VNNI, and its bf16 where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (fp32 where the CPU kernels build:
 the target is GGUF blocks) for 1 to 16 new tokens of one request at context 200, its linears
 reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
 weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
 C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
-target in bf16 (oneDNN's linears; what `auto` runs for dense targets there) (interleaved).
+target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), and on CPUs with
+AVX512-VNNI the one call on 8-bit activations (`target_activations` int8) (interleaved).
 --kernels-from REV adds the one-call forward on the C++ kernels of git revision REV, built
 beside this tree's (an A/B of a kernel change, interleaved in one process).
 docs/performance.md quotes it.
@@ -30,7 +32,7 @@ from torch import nn
 
 from eagle_serve import paths
 from eagle_serve.cpu_matmul import CpuLinear, native_bf16, onednn_bf16
-from eagle_serve.cpu_quant import block_form
+from eagle_serve.cpu_quant import block_form, int8_activations_run
 from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight
@@ -60,6 +62,10 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
         names += ["row kernel fp32", "blocks fp32"]
         configs += [([m.forward for m in kernel], torch.float32),
                     ([functools.partial(distinct[s].linear, bias=None) for s in shapes], torch.float32)]
+    if int8_activations_run():
+        packed = {s: b.int8_activations() for s, b in distinct.items()}
+        names.append("blocks int8 activations")
+        configs.append(([functools.partial(packed[s].linear, bias=None) for s in shapes], torch.float32))
     if onednn_bf16():
         names.append("oneDNN bf16")
         configs.append(([m.forward for m in ours_bf16], torch.bfloat16))
@@ -112,10 +118,13 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     names += ["one call"] if stack is not None else []
     other = kernels_at(kernels_from) if kernels_from and stack is not None else None
     names += [f"one call @{kernels_from}"] if other is not None else []
-    bf16 = None
+    bf16 = int8 = None
     if native_bf16() and dtype != torch.bfloat16:
         bf16 = TargetModel(paths.default_target_dir(), dtype=torch.bfloat16, num_pages=64)
         names.append("bf16")
+    if stack is not None and int8_activations_run():
+        int8 = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64, activations="int8")
+        names.append("int8 activations")
     times: dict = {}
     for _ in range(repeats):
         for rows in rows_list:
@@ -129,7 +138,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
-                (bf16 if name == "bf16" else model).logits(batch, torch.arange(rows))
+                {"bf16": bf16, "int8 activations": int8}.get(name, model).logits(batch, torch.arange(rows))
                 times.setdefault((rows, name), []).append(time.perf_counter() - start)
     print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
     for rows in rows_list:
