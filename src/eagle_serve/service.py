@@ -296,6 +296,8 @@ class SpecDecodeService:
         entry = self.open.pop(out.request_id, None) if out.finished else self.open.get(out.request_id)
         if entry is None:
             return
+        if self.metrics and not out.error:
+            self.metrics.observe_generated(len(out.new_token_ids))
         if out.finished and self.metrics:  # before FINAL: a client that saw it reads settled counters
             if out.error:
                 self.metrics.observe_finished("error")
@@ -316,8 +318,6 @@ class SpecDecodeService:
             entry.first_token_at = now
             if self.metrics:
                 self.metrics.observe_first_token(now - entry.arrival, out.num_input_tokens)
-        if self.metrics:
-            self.metrics.observe_generated(len(out.new_token_ids))
         entry.output_ids += out.new_token_ids
         if out.finished and self.metrics and len(entry.output_ids) > 1 and entry.first_token_at is not None:
             self.metrics.observe_tpot((now - entry.first_token_at) / (len(entry.output_ids) - 1))
