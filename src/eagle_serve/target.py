@@ -130,12 +130,13 @@ class TargetModel:
         if self.hf.device.type == "cpu":
             # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
             find_block_weights(self.hf, self.fused_linears())
-            if activations == "int8":
-                if not int8_activations_run():
-                    raise ValueError("target activations int8 need the CPU kernels built for "
-                                     "AVX-512 on a CPU with AVX512-VNNI (kernels/cpu_i8.cpp)")
-                if not use_int8_activations(self.cpu_linears()):
-                    raise ValueError(f"target activations int8: {folder} holds no GGUF block weights")
+        if activations == "int8":
+            if not (self.hf.device.type == "cpu" and int8_activations_run()):
+                raise ValueError("target activations int8 run on a CPU with AVX512-VNNI, the CPU "
+                                 "kernels built for AVX-512 (kernels/cpu_i8.cpp)")
+            if not use_int8_activations(self.cpu_linears()):
+                raise ValueError(f"target activations int8: {folder} holds no GGUF block weights "
+                                 f"(in float32)")
         self.stack = self.cpu_stack()  # None: hidden_states runs the Python loop
 
     def fused_linears(self) -> list[nn.Module]:

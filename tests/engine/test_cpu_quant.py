@@ -176,3 +176,17 @@ def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_
         assert torch_dtype("auto", True, folders["blocks"]) == torch.bfloat16
     if (paths.default_target_dir() / "config.json").exists():
         assert torch_dtype("auto", False, paths.default_target_dir()) == torch.float32
+
+
+def test_without_avx512_vnni_int8_target_activations_are_refused_and_the_drafter_keeps_fp32_inputs(
+        tiny_target, eagle3_head, monkeypatch):
+    """What a CPU without AVX512-VNNI (or the AVX2 build) does with the 8-bit-activation settings."""
+    from eagle_serve import checkpoints, target
+
+    monkeypatch.setattr(target, "int8_activations_run", lambda: False)
+    monkeypatch.setattr(checkpoints, "int8_activations_run", lambda: False)
+    with pytest.raises(ValueError, match="run on a CPU with AVX512-VNNI"):
+        tiny_engine(tiny_target, dtype="float32", target_activations="int8")
+    engine = tiny_engine(tiny_target, eagle3_head, dtype="float32", drafter_weights="q8_0_a8")
+    kinds = {m.blocks.kind for m in engine.drafter.head.modules() if isinstance(m, CpuLinear)}
+    assert kinds == {"q8_0"}
