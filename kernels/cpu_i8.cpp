@@ -1,16 +1,18 @@
 // linear_i8: a Q4_1 / Q8_0 linear with its activations rounded to 8 bits (llama.cpp's
 // arithmetic), for CPUs with AVX512-VNNI: each row's activations, block by block of 32 along
 // k, become qa = round(x / da) with da = max |x| / 127, and every output sums, block by block in
-// order, d * da * sum(q * qa) + m * da * sum(qa), the integer sums exact (vpdpbusd). Not the dense
-// fp32 linear's bits (cpu.cpp's kernels keep those): an approximation of the same order as the
-// weights' own rounding, at a quarter of the multiply instructions, so a verify row costs a
-// fraction of a decode step's time instead of about a tenth of it. Row-invariant alike: a row's
-// quantization and every output's sum depend on that row alone, whatever the tile or thread.
+// order, d * da * sum(q * qa) + m * da * sum(qa), the integer sums exact (vpdpbusd: 64
+// multiply-adds an instruction against 16 fp32 FMAs; Q4_1 nibbles unpack by 3 instructions per
+// 128 weights against 4 per 16). Not the dense fp32 linear's bits (cpu.cpp's kernels keep
+// those): the default target's forward on it is 1.5-1.9x faster (docs/performance.md), another
+// arithmetic. Row-invariant alike: a row's quantization and every output's sum depend on that
+// row alone, whatever the tile or thread.
 //
-// Packed layout (pack_i8): weight rows in groups of 16 (one zmm lane each), per group and block
-// `C` chunks of 64 bytes, byte 4 * lane + j of chunk c holding the weight of row lane at k =
-// 4c + j as an unsigned byte: Q8_0 as q + 128 (and m = -128 d), Q4_1 as nibbles (C = 4: the low
-// nibble k = 4c + j, the high one k = 16 + 4c + j); scales [G, K/32, 2, 16] (d, m of each lane).
+// Packed layout (eagle_serve.cpu_quant.BlockWeight.int8_activations): weight rows in groups of
+// 16 (one zmm lane each), per group and block `C` chunks of 64 bytes, byte 4 * lane + j of chunk
+// c holding the weight of row lane at k = 4c + j as an unsigned byte: Q8_0 as q + 128 (and
+// m = -128 d), Q4_1 as nibbles (C = 4: the low nibble k = 4c + j, the high one k = 16 + 4c + j);
+// scales [G, K/32, 2, 16] (d, m of each lane).
 #include "cpu.h"
 
 #include <ATen/Parallel.h>
@@ -106,7 +108,7 @@ EAGLE_I8 void matmul(const int8_t* qa, const float* da, const float* sa, int64_t
 }  // namespace
 
 // x [..., K] fp32; q [N/16, K/32, C, 64] uint8 (C = 4: Q4_1, 8: Q8_0), scales [N/16, K/32, 2,
-// 16] fp32 (pack_i8); bias [N] or None -> [..., N]
+// 16] fp32 (BlockWeight.int8_activations); bias [N] or None -> [..., N]
 torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                         const c10::optional<torch::Tensor>& bias) {
   const int64_t K = x.size(-1), N = q.size(0) * kGroup, C = q.size(2);
