@@ -5,15 +5,15 @@
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
 64 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel on dense weights
-and on GGUF blocks where this CPU has AVX2, those blocks on 8-bit activations where it has
-AVX512-VNNI, and its bf16 where oneDNN runs it),
+and on GGUF blocks where this CPU has AVX2, those blocks on 8-bit activations, and its bf16
+where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (fp32 where the CPU kernels build:
 the target is GGUF blocks) for 1 to 16 new tokens of one request at context 200, its linears
 reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
 weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
 C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
-target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), and on CPUs with
-AVX512-VNNI the one call on 8-bit activations (`target_activations` int8) (interleaved).
+target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), and the one call
+on 8-bit activations (`target_activations` int8) (interleaved).
 --kernels-from REV adds the one-call forward on the C++ kernels of git revision REV, built
 beside this tree's (an A/B of a kernel change, interleaved in one process).
 docs/performance.md quotes it.

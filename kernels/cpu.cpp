@@ -505,7 +505,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_block_rows") = kMaxBlockRows;
   m.def("linear_q4_1", &linear_q4_1, "the fp32 linear of a Q4_1 weight, bitwise `linear`'s");
   m.def("linear_q8_0", &linear_q8_0, "the fp32 linear of a Q8_0 weight, bitwise `linear`'s");
-  m.def("linear_i8", &linear_i8, "a Q4_1/Q8_0 linear on 8-bit activations, AVX512-VNNI (cpu_i8.cpp)");
+  m.def("linear_i8", &linear_i8, "a Q4_1/Q8_0 linear on 8-bit activations (cpu_i8.cpp)");
+  m.attr("i8_vnni") = kI8Vnni;
   m.def("attend", &attend, "row-invariant attention of each query over its own key slots");
   m.def("decoder_stack", &decoder_stack, "a Llama-like layer stack in one call (cpu_stack.cpp)");
   m.def("keyed_uniforms", &keyed_uniforms, "each key's uniforms (cpu_random.cpp)");

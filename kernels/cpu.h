@@ -26,6 +26,7 @@ torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const 
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                           const c10::optional<torch::Tensor>& bias);
+extern const bool kI8Vnni;  // linear_i8 runs AVX512-VNNI here (else its AVX2 path)
 torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                         const c10::optional<torch::Tensor>& bias);
 torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -1,5 +1,5 @@
 // linear_i8: a Q4_1 / Q8_0 linear with its activations rounded to 8 bits (llama.cpp's
-// arithmetic), for CPUs with AVX512-VNNI: each row's activations, block by block of 32 along
+// arithmetic), on AVX512-VNNI or AVX2: each row's activations, block by block of 32 along
 // k, become qa = round(x / da) with da = max |x| / 127, and every output sums, block by block in
 // order, d * da * sum(q * qa) + m * da * sum(qa), the integer sums exact (vpdpbusd: 64
 // multiply-adds an instruction against 16 fp32 FMAs; Q4_1 nibbles unpack by 3 instructions per
@@ -9,14 +9,18 @@
 // row alone, whatever the tile or thread.
 //
 // Packed layout (eagle_serve.cpu_quant.BlockWeight.int8_activations): weight rows in groups of
-// 16 (one zmm lane each), per group and block `C` chunks of 64 bytes, byte 4 * lane + j of chunk
-// c holding the weight of row lane at k = 4c + j as an unsigned byte: Q8_0 as q + 128 (and
-// m = -128 d), Q4_1 as nibbles (C = 4: the low nibble k = 4c + j, the high one k = 16 + 4c + j);
-// scales [G, K/32, 2, 16] (d, m of each lane).
+// 16 (one zmm lane each; AVX2 runs a group as two halves of 8), per group and block `C` chunks of
+// 64 bytes, byte 4 * lane + j of chunk c holding the weight of row lane at k = 4c + j: Q4_1 as
+// nibbles (C = 4, uint8: the low nibble k = 4c + j, the high one k = 16 + 4c + j); Q8_0 (C = 8)
+// with VNNI as the unsigned byte q + 128 (and m = -128 d), on AVX2 as q itself (int8; vpmaddubsw
+// multiplies |q| by the activation carrying q's sign); scales [G, K/32, 2, 16] (d, m of each lane).
 #include "cpu.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
 
 #define EAGLE_I8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma")))
 
@@ -105,28 +109,126 @@ EAGLE_I8 void matmul(const int8_t* qa, const float* da, const float* sa, int64_t
   });
 }
 
+// The AVX2 path (no VNNI): vpmaddubsw + vpmaddwd sum 4 products a lane (|q| <= 128 and
+// |qa| <= 127 keep the pairs below int16's limit), a group's two halves of 8 rows in turn.
+void quantize_rows_avx2(const float* x, int64_t R, int64_t K, int8_t* qa, float* da, float* sa) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* p = x + r * K + b * 32;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(p[i]));
+      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int q = static_cast<int>(std::nearbyint(p[i] * inv));  // round to nearest even
+        qa[r * K + b * 32 + i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      const float d = amax / 127.0f;
+      da[r * (K / 32) + b] = d;
+      sa[r * (K / 32) + b] = d * static_cast<float>(sum);
+    }
+}
+
+constexpr int kRowTileAvx2 = 4;
+
+template <int RB, bool Q4>
+inline void tile_avx2(const uint8_t* w, int half, const float* scales, int64_t K, const int8_t* qa,
+                      const float* da, const float* sa, float* out, int64_t N) {
+  constexpr int C = Q4 ? 4 : 8;
+  const int64_t B = K / 32;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = w + b * C * 64 + half * 32;
+    __m256i s[RB];
+    for (int r = 0; r < RB; ++r) s[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (Q4 ? c & 3 : c) * 64));
+      const __m256i wv = !Q4 ? _mm256_sign_epi8(v, v)
+                              : c < 4 ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int r = 0; r < RB; ++r) {
+        __m256i a = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(qa + r * K + b * 32)[c]);
+        if constexpr (!Q4) a = _mm256_sign_epi8(a, v);
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, a), ones));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(scales + b * 32 + half * 8);
+    const __m256 m = _mm256_loadu_ps(scales + b * 32 + 16 + half * 8);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(da[r * B + b]));
+      acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
+      if constexpr (Q4) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[r * B + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * N + half * 8, acc[r]);
+}
+
+template <bool Q4>
+void matmul_avx2(const int8_t* qa, const float* da, const float* sa, int64_t R, int64_t K,
+                 const uint8_t* w, const float* scales, int64_t N, float* out) {
+  constexpr int C = Q4 ? 4 : 8;
+  const int64_t G = N / kGroup, B = K / 32;
+  at::parallel_for(0, G, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int half = 0; half < 2; ++half)
+        for (int64_t r = 0; r < R; r += kRowTileAvx2) {
+          const uint8_t* wg = w + g * B * C * 64;
+          const float* sg = scales + g * B * 32;
+          float* o = out + r * N + g * kGroup;
+          const int8_t* q = qa + r * K;
+          switch (std::min<int64_t>(kRowTileAvx2, R - r)) {
+            case 1: tile_avx2<1, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
+            case 2: tile_avx2<2, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
+            case 3: tile_avx2<3, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
+            case 4: tile_avx2<4, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
+          }
+        }
+  });
+}
+
+bool cpu_has_vnni() {
+#ifdef EAGLE_AVX512
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
-// x [..., K] fp32; q [N/16, K/32, C, 64] uint8 (C = 4: Q4_1, 8: Q8_0), scales [N/16, K/32, 2,
-// 16] fp32 (BlockWeight.int8_activations); bias [N] or None -> [..., N]
+const bool kI8Vnni = cpu_has_vnni();
+
+// x [..., K] fp32; q [N/16, K/32, C, 64] (C = 4: Q4_1, uint8; 8: Q8_0, uint8 with VNNI (kI8Vnni),
+// int8 without), scales [N/16, K/32, 2, 16] fp32 (BlockWeight.int8_activations); bias [N] or
+// None -> [..., N]
 torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                         const c10::optional<torch::Tensor>& bias) {
   const int64_t K = x.size(-1), N = q.size(0) * kGroup, C = q.size(2);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == torch::kUInt8 &&
+  const auto q_type = C == 8 && !kI8Vnni ? torch::kInt8 : torch::kUInt8;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == q_type &&
               scales.scalar_type() == torch::kFloat32 && q.is_contiguous() && scales.is_contiguous() &&
               q.dim() == 4 && K % 32 == 0 && q.size(1) == K / 32 && (C == 4 || C == 8) &&
               q.size(3) == 64 && scales.numel() == N / kGroup * (K / 32) * 32,
-              "linear_i8: x [..., K] fp32, q [N/16, K/32, 4 or 8, 64] uint8, scales [N/16, K/32, 2, 16]");
+              "linear_i8: x [..., K] fp32, q [N/16, K/32, 4 or 8, 64] uint8 (Q8_0 without VNNI: "
+              "int8), scales [N/16, K/32, 2, 16]");
   const auto rows = x.reshape({-1, K}).contiguous();
   const int64_t R = rows.size(0);
   auto qa = torch::empty({R, K}, x.options().dtype(torch::kInt8));
   auto ds = torch::empty({2, R, K / 32}, x.options());
   auto out = torch::empty({R, N}, x.options());
-  quantize_rows(rows.data_ptr<float>(), R, K, qa.data_ptr<int8_t>(), ds[0].data_ptr<float>(),
-                ds[1].data_ptr<float>());
-  (C == 4 ? matmul<4> : matmul<8>)(qa.data_ptr<int8_t>(), ds[0].data_ptr<float>(),
-                                   ds[1].data_ptr<float>(), R, K, q.data_ptr<uint8_t>(),
-                                   scales.data_ptr<float>(), N, out.data_ptr<float>());
+  const auto w = static_cast<const uint8_t*>(q.data_ptr());
+  float *da = ds[0].data_ptr<float>(), *sa = ds[1].data_ptr<float>(), *o = out.data_ptr<float>();
+  if (kI8Vnni) {
+    quantize_rows(rows.data_ptr<float>(), R, K, qa.data_ptr<int8_t>(), da, sa);
+    (C == 4 ? matmul<4> : matmul<8>)(qa.data_ptr<int8_t>(), da, sa, R, K, w, scales.data_ptr<float>(), N, o);
+  } else {
+    quantize_rows_avx2(rows.data_ptr<float>(), R, K, qa.data_ptr<int8_t>(), da, sa);
+    (C == 4 ? matmul_avx2<true> : matmul_avx2<false>)(qa.data_ptr<int8_t>(), da, sa, R, K, w,
+                                                      scales.data_ptr<float>(), N, o);
+  }
   if (bias.has_value()) out.add_(*bias);
   auto shape = x.sizes().vec();
   shape.back() = N;

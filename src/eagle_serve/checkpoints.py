@@ -193,8 +193,8 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
     """weights: "trained" (as the checkpoint holds them) or "q8_0": on a CPU that runs fp32
     through kernels/cpu.cpp, the head's linears rounded to Q8_0 read a quarter of the bytes per
     draft step (drafts may change slightly; the target's verification keeps output exact);
-    "q8_0_a8": also their inputs rounded to 8 bits per block of 32, where the CPU has
-    AVX512-VNNI (cpu_i8.cpp; elsewhere "q8_0")."""
+    "q8_0_a8": also their inputs rounded to 8 bits per block of 32 (cpu_i8.cpp; "q8_0" where
+    the CPU kernels do not run)."""
     if weights not in DRAFTER_WEIGHTS:
         raise ValueError(f"drafter weights must be one of {DRAFTER_WEIGHTS}, got {weights!r}")
     target_dir = Path(target_dir)

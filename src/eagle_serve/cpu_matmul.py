@@ -42,7 +42,7 @@ import threading
 import torch
 from torch import nn
 
-from eagle_serve.cpu_quant import BlockWeight, block_form, max_block_rows, round_to_q8_0
+from eagle_serve.cpu_quant import BlockWeight, block_form, round_to_q8_0
 from kernels.cpu import cpu_flags, cpu_kernels
 
 
@@ -108,7 +108,7 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel and x.dtype == torch.float32 and not x.requires_grad:  # kernels/cpu.cpp
-            if self.blocks is not None and x.shape[:-1].numel() <= max_block_rows():
+            if self.blocks is not None and self.blocks.runs(x.shape[:-1].numel()):
                 return self.blocks.linear(x, self.bias)  # the same bits from fewer bytes
             return cpu_kernels().linear(x, self.weight, self.bias)
         if not (self.onednn and x.dtype == self.weight.dtype and x.device.type == "cpu"):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import cpu_flags, cpu_kernels, wide_linears
+from kernels.cpu import cpu_kernels
 
 BLOCK = 32
 _SCALE_STEPS = (0, -1, 1, -2, 2)  # fp16 neighbours of the estimated scale that are tried
@@ -36,10 +36,9 @@ def max_block_rows() -> int:
 
 
 def int8_activations_run() -> bool:
-    """Whether kernels/cpu_i8.cpp's `linear_i8` runs here: the kernels built for AVX-512 on a
-    CPU with AVX512-BW/VL and VNNI."""
-    return (cpu_kernels() is not None and wide_linears()
-            and {"avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags())
+    """Whether kernels/cpu_i8.cpp's `linear_i8` runs here: wherever the CPU kernels do (AVX2 and
+    FMA; AVX512-VNNI where the CPU has it and the kernels are built for AVX-512)."""
+    return cpu_kernels() is not None
 
 
 @dataclass(frozen=True)
@@ -47,10 +46,17 @@ class BlockWeight:
     """q4_1: q [N, K/2] uint8 (byte j of a block: weight j low nibble, j + 16 high), scales
     [N, K/32, 2] fp32 (d, m); q8_0: q [N, K] int8, scales [N, K/32] fp32 (d); "q4_1_a8" and
     "q8_0_a8": the same weights packed for 8-bit activations (`int8_activations`):
-    q [N/16, K/32, 4 or 8, 64] uint8, scales [N/16, K/32, 2, 16] (cpu_i8.cpp's layout)."""
+    q [N/16, K/32, 4 or 8, 64] uint8 (q8_0_a8 without VNNI: int8), scales [N/16, K/32, 2, 16]
+    (cpu_i8.cpp's layout)."""
     kind: str
     q: torch.Tensor
     scales: torch.Tensor
+
+    def runs(self, rows: int) -> bool:
+        """Whether `linear` takes this many rows (the exact kinds give way to the dense weight
+        past max_block_rows, which gives the same bits; the _a8 kinds run any number, as their
+        arithmetic is their own)."""
+        return self.kind.endswith("_a8") or rows <= max_block_rows()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N]: bitwise the dense fp32 kernel's output, or (the _a8
@@ -61,8 +67,8 @@ class BlockWeight:
 
     def int8_activations(self) -> "BlockWeight":
         """The same weights in cpu_i8.cpp's layout: groups of 16 weight rows, per block of 32
-        chunks of 4 inputs x 16 rows as unsigned bytes (Q8_0: q + 128, offset -128 d; Q4_1:
-        nibbles as GGUF packs them: low k = 4c + j, high k = 16 + 4c + j)."""
+        chunks of 4 inputs x 16 rows (Q4_1: nibbles as GGUF packs them, low k = 4c + j, high
+        k = 16 + 4c + j; Q8_0 with VNNI: q + 128 as unsigned bytes, offset -128 d; without: q)."""
         if self.kind.endswith("_a8"):
             return self
         n = self.q.shape[0]
@@ -70,10 +76,13 @@ class BlockWeight:
             raise ValueError(f"8-bit activations need a multiple of 16 output features, not {n}")
         if self.kind == "q4_1":
             blocks, chunks, q, scales = self.q.shape[1] // 16, 4, self.q, self.scales  # [N, B, 2]
-        else:
+        elif cpu_kernels().i8_vnni:
             blocks, chunks = self.q.shape[1] // BLOCK, 8
             q = (self.q.to(torch.int16) + 128).to(torch.uint8)
             scales = torch.stack([self.scales, -128 * self.scales], dim=-1)
+        else:
+            blocks, chunks, q = self.q.shape[1] // BLOCK, 8, self.q
+            scales = torch.stack([self.scales, torch.zeros_like(self.scales)], dim=-1)
         q = q.reshape(n // 16, 16, blocks, chunks, 4).permute(0, 2, 3, 1, 4)  # [G, B, C, lane, 4]
         scales = scales.reshape(n // 16, 16, blocks, 2).permute(0, 2, 3, 1)  # [G, B, 2, lane]
         return BlockWeight(self.kind + "_a8", q.reshape(n // 16, blocks, chunks, 64).contiguous(),

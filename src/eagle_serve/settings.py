@@ -116,7 +116,7 @@ class ServingSettings:
     drafter_weights: str = "q8_0_a8"           # "q8_0": on CPU in fp32 the head's linears are
     #                                            rounded to Q8_0 (a quarter of the bytes per
     #                                            draft step); "q8_0_a8": and their inputs to 8
-    #                                            bits (AVX512-VNNI CPUs); "trained": as trained
+    #                                            bits; "trained": as trained
     target_activations: str = "fp32"           # "int8": a GGUF target's linears on inputs
     #                                            rounded to 8 bits (llama.cpp's arithmetic;
     #                                            faster, not the fp32 forward's bits)

@@ -100,7 +100,7 @@ class TargetModel:
                  feature_layers: tuple[int, ...] | None = None, activations: str = "fp32"):
         """activations: "fp32", or "int8": the linears that hold GGUF blocks take their inputs
         rounded to 8 bits per block of 32 (llama.cpp's arithmetic, cpu_i8.cpp: ~1.6x faster
-        on a CPU with AVX512-VNNI, another model's bits: not the fp32 forward's)."""
+        on a CPU with AVX512-VNNI; another model's bits: not the fp32 forward's)."""
         if activations not in TARGET_ACTIVATIONS:
             raise ValueError(f"target activations must be one of {TARGET_ACTIVATIONS}, got {activations!r}")
         self.config = cfg = load_target_config(folder)
@@ -132,8 +132,8 @@ class TargetModel:
             find_block_weights(self.hf, self.fused_linears())
         if activations == "int8":
             if not (self.hf.device.type == "cpu" and int8_activations_run()):
-                raise ValueError("target activations int8 run on a CPU with AVX512-VNNI, the CPU "
-                                 "kernels built for AVX-512 (kernels/cpu_i8.cpp)")
+                raise ValueError("target activations int8 run on a CPU with AVX2 and FMA, the CPU "
+                                 "kernels built (kernels/cpu_i8.cpp)")
             if not use_int8_activations(self.cpu_linears()):
                 raise ValueError(f"target activations int8: {folder} holds no GGUF block weights "
                                  f"(in float32)")

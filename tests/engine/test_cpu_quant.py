@@ -61,12 +61,14 @@ def test_the_kernels_are_built_for_avx512_where_the_cpu_has_it_unless_avx2_is_as
 
 @pytest.mark.skipif(not wide_linears(), reason="the AVX2 build is this CPU's default: tested above")
 def test_the_avx2_build_gives_the_same_guarantees_where_avx512_is_the_default():
-    """This file and the linears' tests again, in a process with EAGLE_CPU_ISA=avx2 (the build
-    of AVX2-only CPUs: 8 lanes, 6-row tiles, the dense weight past 12 rows)."""
+    """This file, the linears' and the 8-bit activations' tests again, in a process with
+    EAGLE_CPU_ISA=avx2 (the build of AVX2-only CPUs: 8 lanes, 6-row tiles, the dense weight past
+    12 rows, 8-bit activations without VNNI)."""
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build",
-         "tests/engine/test_cpu_quant.py", "tests/engine/test_cpu_matmul.py"],
+         "tests/engine/test_cpu_quant.py", "tests/engine/test_cpu_matmul.py",
+         "tests/engine/test_int8_activations.py"],
         cwd=root, env={**os.environ, "EAGLE_CPU_ISA": "avx2"}, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
@@ -178,14 +180,14 @@ def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_
         assert torch_dtype("auto", False, paths.default_target_dir()) == torch.float32
 
 
-def test_without_avx512_vnni_int8_target_activations_are_refused_and_the_drafter_keeps_fp32_inputs(
+def test_without_the_cpu_kernels_int8_target_activations_are_refused_and_the_drafter_keeps_fp32_inputs(
         tiny_target, eagle3_head, monkeypatch):
-    """What a CPU without AVX512-VNNI (or the AVX2 build) does with the 8-bit-activation settings."""
+    """What the 8-bit-activation settings do where kernels/cpu_i8.cpp cannot run."""
     from eagle_serve import checkpoints, target
 
     monkeypatch.setattr(target, "int8_activations_run", lambda: False)
     monkeypatch.setattr(checkpoints, "int8_activations_run", lambda: False)
-    with pytest.raises(ValueError, match="run on a CPU with AVX512-VNNI"):
+    with pytest.raises(ValueError, match="run on a CPU with AVX2"):
         tiny_engine(tiny_target, dtype="float32", target_activations="int8")
     engine = tiny_engine(tiny_target, eagle3_head, dtype="float32", drafter_weights="q8_0_a8")
     kinds = {m.blocks.kind for m in engine.drafter.head.modules() if isinstance(m, CpuLinear)}

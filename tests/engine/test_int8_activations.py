@@ -1,6 +1,8 @@
-"""Linears on 8-bit activations (kernels/cpu_i8.cpp, llama.cpp's arithmetic): each output is the
-exact integer sum of each block, scaled, whatever the other rows and threads, so verification
-still reproduces decoding; the drafter runs them by default, the target where asked."""
+"""Linears on 8-bit activations (kernels/cpu_i8.cpp, llama.cpp's arithmetic; AVX512-VNNI or
+AVX2, whichever this build runs: tests/engine/test_cpu_quant.py runs this file on the AVX2 build
+too): each output is the exact integer sum of each block, scaled, whatever the other rows and
+threads, so verification still reproduces decoding; the drafter runs them by default, the target
+where asked."""
 from __future__ import annotations
 
 import shutil
@@ -15,7 +17,7 @@ from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import gguf_weight, tiny_engine
 
 pytestmark = pytest.mark.skipif(not int8_activations_run(),
-                                reason="8-bit activations need AVX512-VNNI (kernels/cpu_i8.cpp)")
+                                reason="8-bit activations run on the CPU kernels (AVX2, FMA)")
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
