@@ -37,7 +37,7 @@ from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight
 from eagle_serve import cpu_stack
-from kernels.cpu import SOURCES, build, cpu_kernels
+from kernels.cpu import build, cpu_kernels
 from forward_profile import decode_batch  # this script's folder is on sys.path
 
 
@@ -90,8 +90,9 @@ def kernels_at(rev: str):
     """The C++ kernels of git revision `rev`, built under their own name beside this tree's."""
     folder = Path(tempfile.mkdtemp(prefix="kernels-"))
     git = lambda *args: subprocess.run(["git", *args], check=True, capture_output=True).stdout
-    for name in (*SOURCES, "cpu.h"):
-        (folder / name).write_bytes(git("show", f"{rev}:kernels/{name}"))
+    for path in git("ls-tree", "--name-only", rev, "kernels/").decode().split():
+        if path.endswith((".cpp", ".h")):  # SOURCES and their headers, as that revision has them
+            (folder / Path(path).name).write_bytes(git("show", f"{rev}:{path}"))
     return build(folder, suffix="_" + git("rev-parse", "--short", rev).decode().strip())
 
 

@@ -1,7 +1,8 @@
-"""Row-invariant C++ kernels for CPUs with AVX2 and FMA (cpu.cpp): the fp32 linear that
-eagle_serve.cpu_matmul runs (on dense weights, or on exact Q4_1/Q8_0 blocks of them: see
-eagle_serve.cpu_quant), the attention of each verify/decode query over exactly its own
-keys that paged_attention_rowwise runs, and, for fp32, the RMSNorm of eagle_serve.cpu_norm and
+"""Row-invariant C++ kernels for CPUs with AVX2 and FMA (SOURCES): the fp32 linear that
+eagle_serve.cpu_matmul runs (cpu.cpp: on dense weights, or on exact Q4_1/Q8_0 blocks of them:
+see eagle_serve.cpu_quant; cpu_i8.cpp: those blocks on 8-bit activations), the attention of
+each verify/decode query over exactly its own keys that paged_attention_rowwise runs
+(cpu_attention.cpp), and, for fp32, the RMSNorm of eagle_serve.cpu_norm and
 the RoPE + KV cache write of eagle_serve.paged in one call each (PyTorch runs each as several
 small ops, each paying its dispatch). Each output element is computed by one instruction
 sequence whatever the other rows and threads, so a verify row gets its decode step's bits by
@@ -41,7 +42,7 @@ def wide_linears() -> bool:
 
 @functools.cache
 def cpu_kernels():
-    """The compiled cpu.cpp, cpu_stack.cpp and cpu_random.cpp (`linear`, `attend`, `race`, ...), or None where this CPU
+    """The compiled SOURCES (`linear`, `attend`, `race`, `linear_i8`, ...), or None where this CPU
     lacks AVX2/FMA or the build fails (warned once; callers then take their PyTorch paths)."""
     if not {"avx2", "fma"} <= cpu_flags():
         return None
@@ -52,7 +53,7 @@ def cpu_kernels():
         return None
 
 
-SOURCES = ("cpu.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp")
+SOURCES = ("cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp")
 
 
 def build(folder: Path, suffix: str = ""):
@@ -61,7 +62,8 @@ def build(folder: Path, suffix: str = ""):
     from torch.utils.cpp_extension import load
 
     name, isa = ("eagle_cpu_kernels_avx512", ["-mavx512f", "-mavx512dq"]) if wide_linears() else ("eagle_cpu_kernels", [])
-    return load(name + suffix, [str(folder / f) for f in SOURCES],
+    sources = [str(folder / f) for f in SOURCES if (folder / f).exists()]  # an older revision's: fewer
+    return load(name + suffix, sources,
                 extra_cflags=["-O3", "-mavx2", "-mfma", *isa, "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
 

@@ -33,8 +33,9 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     appended), so a batched verify pass would not reproduce the one-token decode step bitwise.
     Here the query of a verified position gets exactly the computation a one-token decode step
     at that position makes, so the result does not depend on the batch. The math runs in fp32:
-    on CPUs with AVX2, one call of kernels/cpu.cpp's `attend` for all queries of a layer (each
-    query walks its own list of key slots, planned once per forward: `attention_plan`); elsewhere
+    on CPUs with AVX2, one call of kernels/cpu_attention.cpp's `attend` for all queries of a
+    layer (each query walks its own list of key slots, planned once per forward:
+    `attention_plan`); elsewhere
     `_attend_in_python`, per query. A prefill (a request's first forward: all its tokens new) of
     more than ROWWISE_MAX_QUERIES tokens goes through the batched reference on its own; every
     other request is row-invariant whatever its number of new tokens (a verify pass of a large
@@ -60,7 +61,8 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def cpu_attend_fits(k_cache: torch.Tensor) -> bool:
-    """Whether kernels/cpu.cpp's `attend` runs these caches: built here, fp32 or bf16, D % 8 == 0."""
+    """Whether kernels/cpu_attention.cpp's `attend` runs these caches: built here, fp32 or
+    bf16, D % 8 == 0."""
     return (cpu_kernels() is not None and k_cache.shape[-1] % 8 == 0
             and k_cache.dtype in (torch.float32, torch.bfloat16))
 
@@ -112,7 +114,7 @@ class _Plan:
     lens: list[int]                # seq_lens
     prefills: list[int]            # requests whose queries take the batched reference
     queries: list                  # _rowwise_queries'
-    slots: torch.Tensor | None     # cpu.cpp's `attend`: query t's keys are the cache slots
+    slots: torch.Tensor | None     # C++ `attend`: query t's keys are the cache slots
     starts: torch.Tensor | None    # slots[starts[t]:starts[t + 1]] ([S], [T + 1]); None: not run
 
 
@@ -138,7 +140,7 @@ def attention_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
 
 def _query_slots(cu: list[int], lens: list[int], queries: list, block_tables: torch.Tensor,
                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_rowwise_queries`' key lists as cache slots for cpu.cpp's `attend`: slots [S] int64,
+    """`_rowwise_queries`' key lists as cache slots for C++ `attend`: slots [S] int64,
     starts [T + 1] (query t's keys are slots[starts[t]:starts[t + 1]], in order; none for a
     prefill's queries, which the reference computes)."""
     tables, lists, lengths = block_tables.tolist(), [], [0] * cu[-1]

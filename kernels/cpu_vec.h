@@ -1,0 +1,42 @@
+// The vector helpers of cpu.cpp and cpu_attention.cpp: the vector the linears and the attention
+// sum along (16 lanes where the build has AVX-512, else 8) and its fixed lane reduction.
+#pragma once
+#include <immintrin.h>
+
+#include "cpu.h"
+
+namespace {
+
+inline float lane_sum(__m256 v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// The vector the linears sum along k: 16 lanes where the build has AVX-512 (kernels/cpu.py builds
+// it so on CPUs with AVX512F/DQ: half the FMAs of a verify row), else 8. The lane reduction is
+// fixed either way, so every row of a build gets one instruction sequence (the bits differ between
+// the two builds, as between any two float kernels).
+#ifdef EAGLE_AVX512
+using vec = __m512;
+constexpr int64_t kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float f) { return _mm512_set1_ps(f); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload_half(const float* p) { return _mm512_maskz_loadu_ps(0xFF, p); }  // 8, zeros above
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {  // lanes i + (i + 8) first, then lane_sum
+  return lane_sum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+#else
+using vec = __m256;
+constexpr int64_t kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float f) { return _mm256_set1_ps(f); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload_half(const float* p) { return _mm256_loadu_ps(p); }  // never called: K % 8 == 0
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return lane_sum(v); }
+#endif
+
+}  // namespace
