@@ -38,7 +38,7 @@ ENGINE_COUNTERS = {  # EngineStats field: (our name, vLLM's name or None, descri
 class _Each:
     """One quantity kept by several Triton metrics (ours and vLLM's): every update goes to all.
     A gauge set to the value it holds is not sent again (each call is a message to the Triton
-    process: ~15 a round cost about 5% of a plain round through the server)."""
+    process, ~0.1 ms)."""
 
     def __init__(self, *metrics):
         self.metrics = [m for m in metrics if m is not None]
@@ -146,8 +146,8 @@ class EngineMetrics:
     def update(self, engine: Engine) -> None:
         """Counters and gauges from the engine's state (the engine thread, each round). Counter
         increments are sent every FLUSH_INTERVAL_S and whenever a request finishes
-        (`observe_finished`), not every round: four or more a round cost ~2.5% of a plain
-        round through the server."""
+        (`observe_finished`), not every round (with the unchanged gauges left unsent, a plain
+        round through the server spent 1.85 ms outside the target's call instead of 2.25)."""
         s = engine.stats
         for key, total in ((key, getattr(s, key)) for key in self.counters):
             if total > self._seen[key]:
