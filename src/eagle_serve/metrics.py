@@ -146,8 +146,7 @@ class EngineMetrics:
     def update(self, engine: Engine) -> None:
         """Counters and gauges from the engine's state (the engine thread, each round). Counter
         increments are sent every FLUSH_INTERVAL_S and whenever a request finishes
-        (`observe_finished`), not every round (with the unchanged gauges left unsent, a plain
-        round through the server spent 1.85 ms outside the target's call instead of 2.25)."""
+        (`observe_finished`), not every round."""
         s = engine.stats
         for key, total in ((key, getattr(s, key)) for key in self.counters):
             if total > self._seen[key]:

@@ -99,7 +99,7 @@ class TargetModel:
                  num_pages: int = 256, page_size: int = 16,
                  feature_layers: tuple[int, ...] | None = None, activations: str = "fp32"):
         """activations: "fp32", or "int8": the linears that hold GGUF blocks take their inputs
-        rounded to 8 bits per block of 32 (llama.cpp's arithmetic, cpu_i8.cpp: ~1.6x faster
+        rounded to 8 bits per block of 32 (llama.cpp's arithmetic, cpu_i8.cpp: ~1.5x faster
         on a CPU with AVX512-VNNI; another model's bits: not the fp32 forward's)."""
         if activations not in TARGET_ACTIVATIONS:
             raise ValueError(f"target activations must be one of {TARGET_ACTIVATIONS}, got {activations!r}")
