@@ -7,7 +7,8 @@
 - `CorpusIndex` (one per process): an n-gram table of the target's own answers (the corpus the
   head was trained on): for each context of 1-3 tokens, the most frequent next token and how
   often it followed. Built once by a command (`python -m eagle_serve.lookup build`), stored as a
-  .npz beside the head, tied to the tokenizer it was built with.
+  .npz beside the head, tied to the tokenizer it was built with; `python -m eagle_serve.lookup
+  eval` measures both along held-out answers.
 
 Both only propose: verification decides, so output is unchanged whatever they propose.
 """
@@ -231,9 +232,36 @@ def _contains(seq: list[int], part: list[int]) -> bool:
     return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
 
+def lookup_accuracy(records: list[CorpusRecord], corpus: CorpusIndex | None, limit: int,
+                    min_prob: float) -> dict[str, dict[str, float]]:
+    """How each source drafts along the target's own answers, as a request sees them token by
+    token: per source, the share of answer positions it proposes at and the tokens of its
+    proposal (at most `limit`) that the answer continues with, per position."""
+    counts = {CONTEXT: [0, 0], CORPUS: [0, 0]}  # source -> [positions proposed, tokens right]
+    positions = 0
+    for r in records:
+        context = ContextIndex()
+        for i in range(len(r.output_ids)):
+            tokens, truth = r.prompt_ids + r.output_ids[:i], r.output_ids[i:i + limit]
+            found = {CONTEXT: context.propose(tokens, limit)}
+            if corpus is not None:
+                found[CORPUS] = corpus.propose(tokens[-corpus.max_n:], limit, min_prob)
+            for source, p in found.items():
+                if p is not None:
+                    right = next((k for k, (a, b) in enumerate(zip(p.tokens, truth)) if a != b),
+                                 min(len(p.tokens), len(truth)))
+                    counts[source][0] += 1
+                    counts[source][1] += right
+            positions += 1
+    return {source: {"proposes_at": round(n / max(positions, 1), 4),
+                     "tokens_right_per_position": round(right / max(positions, 1), 4)}
+            for source, (n, right) in counts.items() if source == CONTEXT or corpus is not None}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle_serve.lookup",
-                                     description="Build the corpus index of a target's answers.")
+                                     description="Build the corpus index of a target's answers; "
+                                                 "measure the lookups along held-out answers.")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build")
     build.add_argument("--corpus", type=Path, nargs="+", required=True,
@@ -241,10 +269,23 @@ def main(argv=None) -> None:
     build.add_argument("--target", default="default", help="the target model (its tokenizer)")
     build.add_argument("--out", type=Path, required=True)
     build.add_argument("--max-n", type=int, default=3)
+    ev = sub.add_parser("eval", help="the lookups along answers the index was not built from")
+    ev.add_argument("--answers", type=Path, required=True,
+                    help="a corpus folder of the target's answers to held-out prompts (e.g. the "
+                         "answers/ of `python -m eagle_serve.train eval --teacher-forced WORK`)")
+    ev.add_argument("--index", type=Path, default=None, help="a corpus index (none: the context alone)")
+    ev.add_argument("--target", default="default", help="the target model (its tokenizer)")
+    ev.add_argument("--limit", type=int, default=4, help="tokens per proposal")
     args = parser.parse_args(argv)
     from eagle_serve import paths
     from eagle_serve.tokenization import load_tokenizer
     tokenizer = load_tokenizer(paths.resolve_model_path(args.target, Path.cwd()))
+    if args.command == "eval":
+        from eagle_serve.drafting import CORPUS_MIN_PROB
+        corpus = load_corpus_index(args.index, tokenizer) if args.index else None
+        report = lookup_accuracy(read_corpus(args.answers), corpus, args.limit, CORPUS_MIN_PROB)
+        print(json.dumps(report, indent=2))
+        return
     records = [r for folder in args.corpus for r in read_corpus(folder)]
     check_corpus_tokenizer(records, tokenizer)
     index = CorpusIndex.build([(r.prompt_ids, r.output_ids) for r in records], len(tokenizer),

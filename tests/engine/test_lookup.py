@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from eagle_serve.drafting import merge_branch
 from eagle_serve.lookup import (CONTEXT, CORPUS, ContextIndex, CorpusIndex, CorpusRecord, Proposal,
-                                check_corpus_tokenizer, load_corpus_index, tokenizer_fingerprint)
+                                check_corpus_tokenizer, load_corpus_index, lookup_accuracy,
+                                tokenizer_fingerprint)
 from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import tiny_engine
 
@@ -84,6 +85,32 @@ def test_a_corpus_walk_follows_the_longest_known_context_while_its_probability_h
     # after (2, 3) comes 4 three times in four: below 0.8 the walk stops before it
     assert index.propose([8, 2, 3], 4, min_prob=0.8) is None
     assert index.propose([8, 2, 3], 4, min_prob=0.7).tokens == [4, 5]
+
+
+def test_the_offline_lookup_measure_counts_what_each_source_gets_right_position_by_position():
+    rng = random.Random(5)
+    records = [CorpusRecord(None, [rng.randrange(4) for _ in range(3)],
+                            [rng.randrange(4) for _ in range(rng.randrange(1, 25))]) for _ in range(30)]
+    index = CorpusIndex.build([(r.prompt_ids, r.output_ids) for r in records[:20]], vocab_size=4,
+                              fingerprint="x")
+    proposed, right, positions = Counter(), Counter(), 0
+    for r in records[20:]:
+        for i in range(len(r.output_ids)):
+            tokens, truth = r.prompt_ids + r.output_ids[:i], r.output_ids[i:i + 3]
+            found = {CONTEXT: brute_force_context(tokens, 3),
+                     CORPUS: (p.tokens if (p := index.propose(tokens[-3:], 3, 0.3)) else None)}
+            for source, drafts in found.items():
+                if drafts is not None:
+                    proposed[source] += 1
+                    agree = [a == b for a, b in zip(drafts, truth)]
+                    right[source] += agree.index(False) if False in agree else len(agree)
+            positions += 1
+    report = lookup_accuracy(records[20:], index, limit=3, min_prob=0.3)
+    for source in (CONTEXT, CORPUS):
+        assert report[source]["proposes_at"] == round(proposed[source] / positions, 4)
+        assert report[source]["tokens_right_per_position"] == round(right[source] / positions, 4)
+    assert right[CONTEXT] and right[CORPUS]
+    assert set(lookup_accuracy(records[20:], None, limit=3, min_prob=0.3)) == {CONTEXT}
 
 
 def test_the_corpus_index_refuses_a_tokenizer_it_was_not_built_with(tmp_path, tiny_target):
