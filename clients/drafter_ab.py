@@ -1,0 +1,66 @@
+"""Drafters compared in process: each prompt through plain decoding and the default draft policy
+with each drafter folder (a head, and its corpus-index.npz if it has one) in turn, greedy.
+
+    python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
+        --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER
+
+Every config runs on its own engine over the same target in this process, one prompt at a
+time, so drift hits all alike; the speedups are against plain decoding in the same run. In
+process a drafter call costs less than through Triton (no BLS hop), so the policy may draft
+more here than a server does: use this to compare drafters, speedup_matrix.py for serving.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from eagle_serve import paths
+from eagle_serve.local import build_local_engine
+from eagle_serve.requests import SamplingParams, acceptance_length
+from eagle_serve.tokenization import encode_prompt
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--drafters", nargs="+", required=True, help="drafter folders")
+    p.add_argument("--target", default="default")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = paths.resolve_model_path(args.target)
+    engines = {d: build_local_engine(target, d) for d in args.drafters}
+    first = next(iter(engines.values()))
+    configs = [("plain", first, 0)] + [(d, e, None) for d, e in engines.items()]
+    prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
+    for _, engine, k in configs:  # warm-up, untimed
+        engine.generate([prompts[0]], SamplingParams(max_tokens=8, num_speculative_tokens=k))
+    totals = {name: {"s": 0.0, "tokens": 0, "rounds": 0, "accepted": 0, "same": 0} for name, _, _ in configs}
+    for prompt in tqdm(prompts, desc="prompts x configs", unit="prompt"):
+        plain = None
+        for name, engine, k in configs:
+            start = time.perf_counter()
+            out, = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens,
+                                                           num_speculative_tokens=k))
+            t = totals[name]
+            t["s"] += time.perf_counter() - start
+            t["tokens"] += len(out.token_ids)
+            t["rounds"] += out.last.num_rounds
+            t["accepted"] += out.last.num_accepted_tokens
+            plain = out.token_ids if plain is None else plain
+            t["same"] += out.token_ids == plain
+    base = totals["plain"]["tokens"] / totals["plain"]["s"]
+    for name, t in totals.items():
+        speed = t["tokens"] / t["s"]
+        print(f"{name}: {speed:.1f} tokens/s  {speed / base:.2f}x plain  "
+              f"tau {acceptance_length(t['accepted'], t['rounds']):.2f}  "
+              f"output = plain {t['same']}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()
