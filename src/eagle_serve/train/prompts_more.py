@@ -126,26 +126,23 @@ UNITS = [("seconds", "an hour"), ("hours", "a year"), ("days", "a leap year"), (
 def extended_prompts(seed: int = 0, heldout: Path | None = None) -> list[str]:
     """The second set, deduplicated, near-held-out prompts dropped, shuffled for `seed`."""
     rng = random.Random(seed)
-    out = [form.format(t=t) for t in SUBJECTS for form in FORMS]
-    for a in ACTIVITIES:
-        out += [f"Give me three tips for {a}.", f"What mistakes do beginners make when {a}?",
-                f"How do I get started with {a}?", f"Make a one-week plan for {a}."]
-    for d in DISHES:
-        out += [f"Give a recipe for {d}.", f"What ingredients do I need for {d}?",
-                f"How long does it take to make {d}?"]
-    for c in COUNTRIES:
-        out += [f"What is the capital of {c}?", f"Tell me three things {c} is known for.",
-                f"What language is spoken in {c}?", f"Plan a three-day visit to {c}."]
-    for w in WORKS:
-        out += [f"Summarize the story of {w} in three sentences.", f"Who are the main characters in {w}?",
-                f"What lesson does {w} teach?"]
-    out += [f"Translate '{p}' into {lang}." for p in PHRASES for lang in LANGUAGES]
-    for t in TRIPS:
-        out += [f"What should I pack for {t}?", f"Write a checklist for {t}."]
-    for e in EMAILS:
-        out += [f"Write a short, polite email asking {e}.", f"Write a friendly text message asking {e}."]
-    out += [f"Suggest a name for {b} that {s}." for b in BUSINESSES for s in SPECIALTIES]
-    out += [f"List {o} in order." for o in ORDERED]
+    families = [
+        (SUBJECTS, FORMS),
+        (ACTIVITIES, ["Give me three tips for {t}.", "What mistakes do beginners make when {t}?",
+                      "How do I get started with {t}?", "Make a one-week plan for {t}."]),
+        (DISHES, ["Give a recipe for {t}.", "What ingredients do I need for {t}?",
+                  "How long does it take to make {t}?"]),
+        (COUNTRIES, ["What is the capital of {t}?", "Tell me three things {t} is known for.",
+                     "What language is spoken in {t}?", "Plan a three-day visit to {t}."]),
+        (WORKS, ["Summarize the story of {t} in three sentences.", "Who are the main characters in {t}?",
+                 "What lesson does {t} teach?"]),
+        (PHRASES, [f"Translate '{{t}}' into {lang}." for lang in LANGUAGES]),
+        (TRIPS, ["What should I pack for {t}?", "Write a checklist for {t}."]),
+        (EMAILS, ["Write a short, polite email asking {t}.", "Write a friendly text message asking {t}."]),
+        (BUSINESSES, [f"Suggest a name for {{t}} that {s}." for s in SPECIALTIES]),
+        (ORDERED, ["List {t} in order."]),
+    ]
+    out = [form.format(t=t) for items, forms in families for t in items for form in forms]
     for small, big in UNITS:
         out += [f"How many {small} are there in {big}? Show your working.",
                 f"Explain how to work out the number of {small} in {big}."]
