@@ -1,10 +1,11 @@
-"""Drafters compared in process: each prompt through plain decoding and the default draft policy
-with each drafter folder (a head, and its corpus-index.npz if it has one) in turn, greedy.
+"""Drafters compared in process: each prompt (or each group of --concurrency prompts, run as one
+batch) through plain decoding and the default draft policy with each drafter folder (a head,
+and its corpus-index.npz if it has one) in turn, greedy.
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
-        --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER
+        --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4]
 
-Every config runs on its own engine over the same target in this process, one prompt at a
+Every config runs on its own engine over the same target in this process, one group at a
 time, so drift hits all alike; the speedups are against plain decoding in the same run. In
 process a drafter call costs less than through Triton (no BLS hop), so the policy may draft
 more here than a server does: use this to compare drafters, speedup_matrix.py for serving.
@@ -29,6 +30,7 @@ def main(argv=None) -> None:
     p.add_argument("--drafters", nargs="+", required=True, help="drafter folders")
     p.add_argument("--target", default="default")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1, help="prompts run together as one batch")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     args = p.parse_args(argv)
     if args.threads:
@@ -41,19 +43,20 @@ def main(argv=None) -> None:
     for _, engine, k in configs:  # warm-up, untimed
         engine.generate([prompts[0]], SamplingParams(max_tokens=8, num_speculative_tokens=k))
     totals = {name: {"s": 0.0, "tokens": 0, "rounds": 0, "accepted": 0, "same": 0} for name, _, _ in configs}
-    for prompt in tqdm(prompts, desc="prompts x configs", unit="prompt"):
+    groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
+    for group in tqdm(groups, desc="prompt groups x configs", unit="group"):
         plain = None
         for name, engine, k in configs:
             start = time.perf_counter()
-            out, = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens,
-                                                           num_speculative_tokens=k))
+            outs = engine.generate(group, SamplingParams(max_tokens=args.max_tokens,
+                                                         num_speculative_tokens=k))
             t = totals[name]
             t["s"] += time.perf_counter() - start
-            t["tokens"] += len(out.token_ids)
-            t["rounds"] += out.last.num_rounds
-            t["accepted"] += out.last.num_accepted_tokens
-            plain = out.token_ids if plain is None else plain
-            t["same"] += out.token_ids == plain
+            t["tokens"] += sum(len(out.token_ids) for out in outs)
+            t["rounds"] += sum(out.last.num_rounds for out in outs)
+            t["accepted"] += sum(out.last.num_accepted_tokens for out in outs)
+            plain = [out.token_ids for out in outs] if plain is None else plain
+            t["same"] += sum(out.token_ids == same for out, same in zip(outs, plain))
     base = totals["plain"]["tokens"] / totals["plain"]["s"]
     for name, t in totals.items():
         speed = t["tokens"] / t["s"]

@@ -236,12 +236,14 @@ def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
         assert (ROOT / "model_repository" / model / "configs" / "gpu.pbtxt").exists()
 
 
-def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_decoding(tiny_models, tmp_path):
+@pytest.mark.parametrize("concurrency", ["1", "2"])
+def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_decoding(
+        tiny_models, tmp_path, concurrency):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Count to five"}\n')
     out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
                "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
-               str(tiny_models["eagle1"])])
+               str(tiny_models["eagle1"]), "--concurrency", concurrency])
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
     assert [line.split(":")[0] for line in lines] == ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]

@@ -49,6 +49,7 @@ class MeasuredCosts:
         self.calls: dict[int, float] = {}    # rows -> its calls, decayed (DECAY)
         self.drafter: float | None = None    # moving average of a drafter call's seconds
         self.drafter_calls = 0
+        self._fit: tuple[float, float] | None = None  # line() until the next target call
 
     @staticmethod
     def _average(old: float | None, new: float) -> float:
@@ -60,6 +61,7 @@ class MeasuredCosts:
         for r in self.calls:
             self.calls[r] *= DECAY
         self.calls[rows] = self.calls.get(rows, 0.0) + 1.0
+        self._fit = None
 
     def record_drafter(self, seconds: float) -> None:
         self.drafter = self._average(self.drafter, seconds)
@@ -68,8 +70,11 @@ class MeasuredCosts:
     def line(self) -> tuple[float, float] | None:
         """(intercept, slope) of the target's seconds against its row count (each row count
         weighted by its calls, the rarest largest ones left out), or None."""
-        if len(self.target) < MIN_ROW_COUNTS:
-            return None
+        if self._fit is None and len(self.target) >= MIN_ROW_COUNTS:
+            self._fit = self._fit_line()
+        return self._fit
+
+    def _fit_line(self) -> tuple[float, float]:
         w, rows, left = self.calls, sorted(self.target), TRIM * sum(self.calls.values())
         while len(rows) > MIN_ROW_COUNTS and w[rows[-1]] <= left:
             left -= w[rows.pop()]

@@ -8,12 +8,15 @@ request may still emit; a chain of the tree's depth when more than `max_tree_bat
 requests run), the confidence limits on greedy drafts, and the model-free sources: a greedy
 request's tree also gets the continuations looked up in its own tokens and in the corpus of the
 target's answers (eagle_serve.lookup) as extra branches, merged where they agree with the head's;
-a sampled request's head chain gets them too, as one-hot proposals.
-Each request's measured acceptance decides whether drafting pays (`best_chain`, with the costs
-measured on this machine as the server runs (eagle_serve.costs), or the static draft_call_cost,
-draft_step_cost and draft_batch_cost: verify rows cost more in a fuller batch):
+a sampled request's head chain gets them too, as one-hot proposals. Every draft must be likely
+enough to pay for its verify row (`_row_prob`): the head's by its path probability, a lookup's
+by the acceptance the process measured for drafts like it (eagle_serve.lookup_scores).
+Each request's measured acceptance decides whether the head's drafting pays (`best_chain`, with
+the costs measured on this machine as the server runs (eagle_serve.costs), or the static
+draft_call_cost, draft_step_cost and draft_batch_cost: verify rows cost more in a fuller batch):
 chains take the length it pays for, and a request whose drafts do not pay drafts nothing and
-skips the drafter call until a probe round; beyond max_draft_batch running requests
+skips the drafter call until a probe round (none where its drafts could not pay even if nearly
+always accepted); beyond max_draft_batch running requests
 (max_sampled_draft_batch for sampled ones) nothing is drafted.
 The drafter only executes the shapes it is sent, row by row; verification and acceptance do not
 depend on the policy, so whatever is drafted, the output is the target's.
@@ -30,7 +33,8 @@ from eagle_serve import staging
 from eagle_serve.costs import MeasuredCosts
 from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.lookup import HEAD, ContextIndex, CorpusIndex, Proposal
+from eagle_serve.lookup import ContextIndex, CorpusIndex
+from eagle_serve.lookup_scores import LookupKey, LookupScores
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.verify import DraftWork, sampling_fields
@@ -41,6 +45,15 @@ def tree_capacity(topk: int, depth: int) -> int:
     """Candidates an EAGLE-2 tree of this shape scores: topk at depth 1, topk^2 at each deeper
     level (the children of the topk expanded nodes)."""
     return topk + (depth - 1) * topk * topk if depth > 0 else 0
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A lookup branch of a round's draft tree, from the root: the head's path it continues
+    (keys None), then the looked-up tokens."""
+    tokens: list[int]
+    source: str
+    keys: list[LookupKey | None]
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,12 @@ CONTEXT_MIN_MATCH = 2
 # probes every 4-32 rounds ran greedy 128-token requests at 1.12x plain decoding alone and 0.94x
 # at 4 streams, against 1.20x and 1.01x with no probes (one server each, interleaved runs).
 ACCEPT_PRIOR, PRIOR_WEIGHT, PROBE_EVERY, MAX_PROBE_WAIT, PROBE_BUDGET = 0.5, 4.0, 4, 32, 0.02
+# A request probes only where its drafts would pay were they accepted PROBE_RATE of the time:
+# where even that would not pay (dear rows beside other requests), a probe only costs (a drafter
+# call that catches up on every position since the last, and a row). Greedy, 4 and 8 streams in
+# process on the AVX-512 build, interleaved per wave: 4 streams 1.02x plain decoding and 8
+# streams 0.97x probing, 1.04x and 0.98x with this.
+PROBE_RATE = 0.9
 # With measured costs, a tree must promise MEASURED_MARGIN more than plain decoding (a share of
 # its speed), costed as one draft though it verifies several (greedy alone, 128 tokens: tau 2.01
 # and 1.32x without the margin, tau 1.77 and 1.39x with it), and beside other requests any draft
@@ -97,6 +116,7 @@ class DraftPolicy:
     def __init__(self, config: EngineConfig, corpus: CorpusIndex | None = None):
         self.config, self.corpus = config, corpus
         self.costs = MeasuredCosts()  # the engine and propose_drafts record into it
+        self.lookup_scores = LookupScores()  # verification records every request's lookups
 
     def default_k(self, params: SamplingParams, has_drafter: bool) -> int:
         if not has_drafter:
@@ -144,25 +164,28 @@ class DraftPolicy:
         if not (req.k and n):
             return
         sources = int(p.context_lookup) + int(p.corpus_lookup and self.corpus is not None)
-        req.lookup_budget = sources * n
+        req.lookup_budget, req.lookup_scores = sources * n, self.lookup_scores
         if p.context_lookup:
             req.context = ContextIndex(min_n=CONTEXT_MIN_MATCH)
 
     def lookups(self, req: Request, left: int, batch_size: int, head_path: list[int] = ()
-                ) -> list[Proposal]:
+                ) -> list[Branch]:
         """The request's lookup branches this round: continuations of its tokens, and of its
         tokens + the head's most likely path (so a confident head's path goes deeper), each
-        source at most lookup_tokens long (sampled requests: sampled_lookup_tokens), every
-        branch at most `left` deep (longest first); none where the request may not draft at all
-        (`_over_draft_batch`)."""
+        source at most lookup_tokens long (sampled requests: sampled_lookup_tokens), cut after
+        its last token likely enough to pay for its verify row (`_row_prob`; the chance of each
+        from `lookup_scores`, after the head's path times the head's acceptance per draft of
+        it), every branch at most `left` deep (longest first); none where the request may not
+        draft at all (`_over_draft_batch`)."""
         cfg = self.config
         depth = min(left, cfg.max_speculative_tokens)
         if not req.lookup_budget or depth <= 0 or self._over_draft_batch(req, batch_size):
             return []
-        length = self._paying_lookup(req, batch_size)
+        floor, measured = self._row_prob(req, batch_size), not _seeded_rejection(req)
+        head_rate = req.acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
         found = []
         for prefix in ([], list(head_path))[:1 + bool(head_path)]:
-            limit = min(length, depth - len(prefix))
+            limit = min(self.lookup_tokens(req), depth - len(prefix))
             if limit <= 0:
                 continue
             proposed = []
@@ -171,8 +194,14 @@ class DraftPolicy:
             if req.params.corpus_lookup and self.corpus is not None:
                 proposed.append(self.corpus.propose(req.tokens[-self.corpus.max_n:] + prefix,
                                                     limit, CORPUS_MIN_PROB))
-            found += [Proposal(prefix + p.tokens, p.source, p.match) for p in proposed if p]
-        return sorted(found, key=lambda p: -len(p.tokens))
+            reach = head_rate ** len(prefix)
+            for p in filter(None, proposed):
+                keys = LookupScores.keys(p, req.matched)
+                chances = self.lookup_scores.chances(keys, measured)
+                n = sum(reach * c >= floor for c in chances)  # chances only fall along it
+                if n:
+                    found.append(Branch(prefix + p.tokens[:n], p.source, [None] * len(prefix) + keys[:n]))
+        return sorted(found, key=lambda b: -len(b.tokens))
 
     def lookup_tokens(self, req: Request) -> int:
         cfg = self.config
@@ -196,8 +225,7 @@ class DraftPolicy:
         tree request drafts a chain of its depth."""
         cfg = self.config
         depth = self._paying_depth(req, max(0, min(req.depth, left)), batch_size)
-        pruning = ((cfg.draft_min_prob, cfg.draft_expand_prob) if req.greedy
-                   else (cfg.sampled_draft_min_prob, 0.0))
+        pruning = (self._row_prob(req, batch_size), cfg.draft_expand_prob if req.greedy else 0.0)
         if req.topk > 1 and depth > 0 and self._trees_allowed(batch_size):
             return RoundShape(min(req.k, tree_capacity(req.topk, depth)), req.topk, depth, *pruning)
         return RoundShape(depth, 1, depth, *pruning)
@@ -222,24 +250,23 @@ class DraftPolicy:
         call, step, margin = self._costs(req, load, tree)
         best = best_chain(rate, 1 if tree else depth, call, step, margin)
         if best == 0:
-            return _probe(req.acceptance, load * call + step)
+            hopeless = best_chain(PROBE_RATE, 1 if tree else depth, call, step, margin) == 0
+            return 0 if hopeless else _probe(req.acceptance, load * call + step)
         req.acceptance.probes = 0
         return depth if tree else best
 
-    def _paying_lookup(self, req: Request, batch_size: int) -> int:
-        """How long a lookup branch may be this round: the chain length that the request's
-        lookup acceptance pays for (`best_chain` without a drafter call: each lookup draft costs
-        one verify row), up to lookup_tokens; one again after a while when none pays (`_probe`)."""
-        cfg, limit = self.config, self.lookup_tokens(req)
+    def _row_prob(self, req: Request, batch_size: int) -> float:
+        """The least chance of acceptance at which a draft is worth its verify row: a row costs
+        `step` plain rounds, so it pays when it brings at least step x (1 + margin) tokens
+        (never below draft_min_prob; sampled requests: sampled_draft_min_prob). Where rows are
+        dear (fp32 on 2 CPU cores: a fifth of a plain round each alone, half of it beside three
+        others) this keeps trees and lookup branches to the drafts likely enough to pay."""
+        cfg = self.config
+        least = cfg.draft_min_prob if req.greedy else cfg.sampled_draft_min_prob
         if not (cfg.draft_call_cost or cfg.draft_step_cost):
-            return limit
+            return least
         _, step, margin = self._costs(req, _load(req, batch_size))
-        rate = req.lookup_acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
-        best = best_chain(rate, limit, 0.0, step, margin)
-        if best == 0:
-            return _probe(req.lookup_acceptance, step)
-        req.lookup_acceptance.probes = 0
-        return best
+        return max(least, step * (1.0 + margin))
 
     def _costs(self, req: Request, load: int, tree: bool = False) -> tuple[float, float, float]:
         """(drafter call, one draft, margin) as shares of a plain round for this request:
@@ -296,10 +323,6 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
     lefts = [min(w.req.params.max_tokens - len(w.req.output) - 1,
                  cfg.max_model_len - len(w.req.tokens)) for w in work]
     shapes = [policy.round_shape(w.req, left, batch_size) for w, left in zip(work, lefts)]
-    for w in work:
-        req = w.req
-        waiting = sum(f.shape[0] for f in req.undrafted) + w.features.shape[0]
-        assert waiting == req.num_computed - req.draft_computed, "drafter fell behind"
     called = [(w, s) for w, s in zip(work, shapes) if s.nodes]
     for w, _ in called:  # join the features of the rounds that drafted nothing, once
         if w.req.undrafted:
@@ -325,16 +348,16 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
             row += 1
         else:
             req.undrafted.append(w.features)
-        sources = [HEAD] * len(drafts)
+        keys: list[LookupKey | None] = [None] * len(drafts)  # None: the head's
         budget, num_head = req.lookup_budget, len(drafts)
         for branch in policy.lookups(req, left, batch_size, first_path(drafts, parents)):
-            budget -= merge_branch(drafts, parents, sources, branch, budget)
+            budget -= merge_branch(drafts, parents, keys, branch, budget)
         slots = workspace.alloc(len(drafts))
         if slots is None:  # no free slots: this round verifies no drafts
             continue
         if not req.matched and drafts:
             stores.append((slots, _with_lookups(q, drafts[num_head:], workspace.vocab_size)))
-        req.drafts, req.draft_slots, req.parents, req.draft_sources = drafts, slots, parents, sources
+        req.drafts, req.draft_slots, req.parents, req.draft_keys = drafts, slots, parents, keys
     if stores:
         workspace.store([s for slots, _ in stores for s in slots], torch.cat([q for _, q in stores]))
     if called:  # what the round's drafting took: the call, and the policy's work around it
@@ -371,6 +394,7 @@ def _call_drafter(called: list[tuple[DraftWork, RoundShape]], drafter: DrafterRu
     for w, _ in called:
         req = w.req
         start, end = req.draft_computed, req.num_computed
+        assert w.features.shape[0] == end - start, "drafter fell behind"
         ids += req.tokens[start + 1:end + 1]
         positions += range(start, end)
         slots += [pool.slot(req.drafter_pages, p) for p in range(start, end)]
@@ -406,19 +430,19 @@ def first_path(drafts: list[int], parents: list[int]) -> list[int]:
     return path
 
 
-def merge_branch(drafts: list[int], parents: list[int], sources: list[str], branch: Proposal,
-                 budget: int) -> int:
+def merge_branch(drafts: list[int], parents: list[int], keys: list[LookupKey | None],
+                 branch: Branch, budget: int) -> int:
     """Add a chain of tokens under the root of a draft tree, reusing the nodes that already
     hold its prefix (parents stay before children). -> nodes added (at most budget)."""
     added, node = 0, -1
-    for token in branch.tokens:
+    for token, key in zip(branch.tokens, branch.keys):
         child = next((i for i, (d, p) in enumerate(zip(drafts, parents)) if p == node and d == token), None)
         if child is None:
             if added == budget:
                 break
             drafts.append(token)
             parents.append(node)
-            sources.append(branch.source)
+            keys.append(key)
             child, added = len(drafts) - 1, added + 1
         node = child
     return added

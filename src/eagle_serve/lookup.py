@@ -31,9 +31,10 @@ SOURCES = (HEAD, CONTEXT, CORPUS)      # every draft node has one
 
 @dataclass(frozen=True)
 class Proposal:
-    tokens: list[int]     # the proposed continuation, first token first
+    tokens: list[int]          # the proposed continuation, first token first
     source: str
-    match: int            # tokens of context it was matched on
+    strengths: tuple[int, ...]  # of each token: the context match's length (tokens), or the
+    #                            corpus step's share of what followed its context, in tenths
 
 
 class ContextIndex:
@@ -64,7 +65,8 @@ class ContextIndex:
                 continue
             start = self.maps[n].get(tuple(seq[-n:]))
             if start is not None:
-                return Proposal(_continue(seq, start, limit), CONTEXT, n)
+                out = _continue(seq, start, limit)
+                return Proposal(out, CONTEXT, (n,) * len(out))
         return None
 
 
@@ -119,19 +121,19 @@ class CorpusIndex:
         """A greedy walk of the n-gram table (longest known context first) while the product of
         the steps' shares stays >= min_prob."""
         ctx = list(tokens[-self.max_n:]) if self.max_n else []
-        out, prob, match = [], 1.0, 0
+        out, strengths, prob = [], [], 1.0
         while len(out) < limit:
             found = self._lookup(ctx)
             if found is None:
                 break
-            n, token, share = found
+            _, token, share = found
             prob *= share
             if prob < min_prob:
                 break
-            match = match or n
             out.append(token)
+            strengths.append(int(share * 10))
             ctx = (ctx + [token])[-self.max_n:]
-        return Proposal(out, CORPUS, match) if out else None
+        return Proposal(out, CORPUS, tuple(strengths)) if out else None
 
     def _lookup(self, ctx: list[int]) -> tuple[int, int, float] | None:
         for n in range(min(len(ctx), self.max_n), 0, -1):

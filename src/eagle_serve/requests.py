@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from eagle_serve.lookup import ContextIndex
+from eagle_serve.lookup import HEAD, ContextIndex
+from eagle_serve.lookup_scores import LookupKey, LookupScores
 from eagle_serve.settings import EngineConfig
 from eagle_serve.stopping import StopChecker
 
@@ -133,11 +134,13 @@ class Request:
     kv_moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) target positions,
     #                                 applied by the next forward (the accepted tree path)
     draft_slots: list[int] = field(default_factory=list)
-    draft_sources: list[str] = field(default_factory=list)  # of each draft (lookup.SOURCES)
+    draft_keys: list[LookupKey | None] = field(default_factory=list)  # of each lookup draft
+    #                                 (None: the head's)
     lookup_budget: int = 0          # drafts lookup sources may add to the k of the head
     context: ContextIndex | None = None  # the request's own tokens, for context lookup
     acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)         # head drafts
-    lookup_acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)  # lookup drafts
+    lookup_scores: LookupScores | None = None  # where its verified lookup drafts are counted
+    #                                 (the process's table: drafting.DraftPolicy.lookup_scores)
     undrafted: list[torch.Tensor] = field(default_factory=list)  # [n_i, F] each: target
     #                                 features of verified positions the drafter has not seen
     #                                 (rounds that drafted nothing), joined when it next drafts
@@ -180,12 +183,17 @@ class Request:
         return (p.temperature, p.top_k, p.top_p, self.seed)
 
     @property
+    def draft_sources(self) -> list[str]:
+        """The source of each draft (lookup.SOURCES)."""
+        return [HEAD if key is None else key.source for key in self.draft_keys]
+
+    @property
     def is_tree(self) -> bool:
         """Drafts that are not a chain (-1, 0, 1, ...)."""
         return any(p != j - 1 for j, p in enumerate(self.parents))
 
     def clear_drafts(self) -> None:
-        self.drafts, self.draft_slots, self.parents, self.draft_sources = [], [], [], []
+        self.drafts, self.draft_slots, self.parents, self.draft_keys = [], [], [], []
 
     def drafter_scratch(self) -> int:
         """Drafter positions past the verified ones that one drafting round may write."""

@@ -67,13 +67,15 @@ class ServingSettings:
     max_draft_depth: int = 8
     max_tree_batch: int = 1                    # trees only while <= this many requests run (0 = always)
     draft_min_prob: float = 0.05               # greedy drafts below this path probability are not
-    #                                            verified (the first always is); 0 = off
+    #                                            verified (the first always is); 0 = off; with
+    #                                            costs, no draft below what pays for its row
     draft_expand_prob: float = 0.5             # draft deeper only while a draft reaches this; 0 = off
     sampled_draft_depth: int = 2               # sampled requests draft chains up to this long
     #                                            (a request's draft_depth or k overrides/caps it)
     sampled_draft_min_prob: float = 0.0        # a sampled chain stops where the product of its
     #                                            drafter distributions' top probabilities falls
-    #                                            below this (the first draft included); 0 = off
+    #                                            below this (the first draft included); 0 = off;
+    #                                            with costs, where it no longer pays for its row
     draft_call_cost: float = 0.20              # what a drafting round costs (the drafter call),
     draft_step_cost: float = 0.05              # and each drafted chain position, as shares of a
     #                                            plain decoding round: a request drafts the chain

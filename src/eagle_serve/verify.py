@@ -294,15 +294,12 @@ def _observe_head(req: Request, depths: list[int], path: list[int]) -> None:
 
 
 def _observe_lookups(req: Request, path: list[int]) -> None:
-    """The request's lookup record: its lookup drafts whose parent was accepted (or that start
-    at the root), and those of them accepted; a round without lookup drafts is idle."""
+    """Count the request's lookup drafts that were reached (their parent accepted, or they hang
+    from the root), each accepted or not, in the process's table (lookup_scores)."""
     kept = set(path)
-    lookup = [n for n, source in enumerate(req.draft_sources) if source != HEAD]
-    if lookup:
-        reached = sum(req.parents[n] < 0 or req.parents[n] in kept for n in lookup)
-        req.lookup_acceptance.record(reached, sum(n in kept for n in lookup))
-    else:
-        req.lookup_acceptance.idle_rounds += 1
+    for n, key in enumerate(req.draft_keys):
+        if key is not None and (req.parents[n] < 0 or req.parents[n] in kept):
+            req.lookup_scores.record(key, n in kept)
 
 
 def _count_round(req: Request, path: list[int], stats: EngineStats) -> None:

@@ -106,16 +106,23 @@ def probe_waits(policy: DraftPolicy, rounds: int) -> list[int]:
 
 def test_probes_of_a_request_whose_drafts_never_pay_come_ever_less_often(monkeypatch):
     monkeypatch.setattr(drafting, "PROBE_BUDGET", 10.0)  # probes cheap enough for any wait
-    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1)), 160)
+    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=1.2, draft_step_cost=0.1)), 160)
     assert waits[:4] == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, 8 * PROBE_EVERY + 1]
     assert set(waits[4:]) == {MAX_PROBE_WAIT + 1}
 
 
 def test_a_costly_probe_waits_until_its_cost_is_a_small_share_of_the_rounds():
-    """A probe that costs 2.1 plain rounds (a drafter call of 2, a verify row of 0.1) comes at
-    most once in 2.1 / PROBE_BUDGET rounds, far beyond MAX_PROBE_WAIT."""
-    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1)), 400)
-    assert len(waits) >= 3 and set(waits) == {math.ceil(2.1 / PROBE_BUDGET) + 1}
+    """A probe that costs 1.3 plain rounds (a drafter call of 1.2, a verify row of 0.1) comes at
+    most once in 1.3 / PROBE_BUDGET rounds, far beyond MAX_PROBE_WAIT."""
+    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=1.2, draft_step_cost=0.1)), 400)
+    assert len(waits) >= 3 and set(waits) == {math.ceil(1.3 / PROBE_BUDGET) + 1}
+
+
+def test_a_request_never_probes_where_its_drafts_would_not_pay_even_if_nearly_always_accepted():
+    """A chain of 2 accepted PROBE_RATE of the time gains 2.71 tokens a round: at a drafter call
+    of 1.2 plain rounds (and 0.1 a row) that pays, at 2.0 it does not, and no probe is sent."""
+    assert best_chain(drafting.PROBE_RATE, 2, 1.2, 0.1) == 2 and best_chain(drafting.PROBE_RATE, 2, 2.0, 0.1) == 0
+    assert probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1)), 400) == []
 
 
 def test_requests_that_share_a_drafter_call_draft_where_one_alone_would_not():

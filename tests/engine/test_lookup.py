@@ -8,19 +8,21 @@ from dataclasses import replace
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_serve.drafting import merge_branch
+from eagle_serve.drafting import Branch, merge_branch
 from eagle_serve.lookup import (CONTEXT, CORPUS, ContextIndex, CorpusIndex, CorpusRecord, Proposal,
                                 check_corpus_tokenizer, load_corpus_index, lookup_accuracy,
                                 tokenizer_fingerprint)
+from eagle_serve.lookup_scores import MAX_PLACE, PRIOR_RATE, LookupKey, LookupScores
 from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import tiny_engine
 
 MAX_TOKENS = 40
 
 
-def brute_force_context(tokens: list[int], limit: int, min_n=2, max_n=8) -> list[int] | None:
+def brute_force_context(tokens: list[int], limit: int, min_n=2, max_n=8) -> Proposal | None:
     """The longest suffix (max_n .. min_n) that occurred earlier with a follower; its latest
-    such occurrence; what followed, continued periodically past the end."""
+    such occurrence; what followed, continued periodically past the end (each token's strength:
+    the suffix's length)."""
     for n in range(max_n, min_n - 1, -1):
         if len(tokens) <= n:
             continue
@@ -30,7 +32,7 @@ def brute_force_context(tokens: list[int], limit: int, min_n=2, max_n=8) -> list
             start = max(ends)
             while len(seq) < start + limit:
                 seq.append(seq[len(seq) - (len(tokens) - start)])
-            return seq[start:start + limit]
+            return Proposal(seq[start:start + limit], CONTEXT, (n,) * limit)
     return None
 
 
@@ -41,11 +43,7 @@ def test_context_lookup_equals_a_brute_force_search_on_random_streams_grown_in_r
         index, tokens = ContextIndex(), [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
         while len(tokens) < 80:
             limit = rng.randrange(1, 7)
-            got = index.propose(tokens, limit)
-            expected = brute_force_context(tokens, limit)
-            assert (got.tokens if got else None) == expected, (trial, tokens)
-            if got:
-                assert got.source == CONTEXT and got.match >= 2
+            assert index.propose(tokens, limit) == brute_force_context(tokens, limit), (trial, tokens)
             tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
 
 
@@ -81,10 +79,10 @@ def test_the_corpus_table_holds_each_contexts_most_frequent_next_token_and_its_s
 def test_a_corpus_walk_follows_the_longest_known_context_while_its_probability_holds():
     sequences = [([], [1, 2, 3, 4, 5])] * 3 + [([], [2, 3, 9])]
     index = CorpusIndex.build(sequences, vocab_size=16, fingerprint="x")
-    assert index.propose([7, 1, 2], 4, min_prob=0.5) == Proposal([3, 4, 5], CORPUS, 2)
+    assert index.propose([7, 1, 2], 4, min_prob=0.5) == Proposal([3, 4, 5], CORPUS, (10, 10, 10))
     # after (2, 3) comes 4 three times in four: below 0.8 the walk stops before it
     assert index.propose([8, 2, 3], 4, min_prob=0.8) is None
-    assert index.propose([8, 2, 3], 4, min_prob=0.7).tokens == [4, 5]
+    assert index.propose([8, 2, 3], 4, min_prob=0.7) == Proposal([4, 5], CORPUS, (7, 10))
 
 
 def test_the_offline_lookup_measure_counts_what_each_source_gets_right_position_by_position():
@@ -97,12 +95,11 @@ def test_the_offline_lookup_measure_counts_what_each_source_gets_right_position_
     for r in records[20:]:
         for i in range(len(r.output_ids)):
             tokens, truth = r.prompt_ids + r.output_ids[:i], r.output_ids[i:i + 3]
-            found = {CONTEXT: brute_force_context(tokens, 3),
-                     CORPUS: (p.tokens if (p := index.propose(tokens[-3:], 3, 0.3)) else None)}
-            for source, drafts in found.items():
-                if drafts is not None:
+            found = {CONTEXT: brute_force_context(tokens, 3), CORPUS: index.propose(tokens[-3:], 3, 0.3)}
+            for source, p in found.items():
+                if p is not None:
                     proposed[source] += 1
-                    agree = [a == b for a, b in zip(drafts, truth)]
+                    agree = [a == b for a, b in zip(p.tokens, truth)]
                     right[source] += agree.index(False) if False in agree else len(agree)
             positions += 1
     report = lookup_accuracy(records[20:], index, limit=3, min_prob=0.3)
@@ -139,11 +136,13 @@ def test_a_corpus_tokenized_with_another_vocabulary_is_refused(tiny_target):
 
 
 def test_a_branch_shares_the_nodes_that_hold_its_prefix_and_respects_the_budget():
-    drafts, parents, sources = [5, 6, 7], [-1, -1, 0], ["eagle"] * 3   # 5 -> 7, and 6
-    assert merge_branch(drafts, parents, sources, Proposal([5, 7, 8, 9], CONTEXT, 3), 1) == 1
-    assert (drafts, parents, sources) == ([5, 6, 7, 8], [-1, -1, 0, 2], ["eagle"] * 3 + [CONTEXT])
-    assert merge_branch(drafts, parents, sources, Proposal([4, 1], CORPUS, 2), 5) == 2
-    assert parents[-2:] == [-1, 4] and sources[-2:] == [CORPUS, CORPUS]
+    drafts, parents, keys = [5, 6, 7], [-1, -1, 0], [None] * 3   # the head's 5 -> 7, and 6
+    context = [LookupKey(True, CONTEXT, 3, place) for place in (1, 2, 3, 4)]
+    assert merge_branch(drafts, parents, keys, Branch([5, 7, 8, 9], CONTEXT, context), 1) == 1
+    assert (drafts, parents, keys) == ([5, 6, 7, 8], [-1, -1, 0, 2], [None] * 3 + [context[2]])
+    corpus = [LookupKey(True, CORPUS, 9, place) for place in (1, 2)]
+    assert merge_branch(drafts, parents, keys, Branch([4, 1], CORPUS, corpus), 5) == 2
+    assert parents[-2:] == [-1, 4] and keys[-2:] == corpus
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +193,7 @@ def test_requests_that_switch_lookups_off_draft_from_the_head_alone_and_sampled_
 
 def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
     from eagle_serve.drafting import DraftPolicy, first_path
-    from eagle_serve.requests import Request
+    from eagle_serve.requests import AcceptanceRecord, Request
     from eagle_serve.settings import EngineConfig
 
     policy = DraftPolicy(EngineConfig.served(lookup_tokens=3))
@@ -203,9 +202,15 @@ def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
     drafts, parents = [2, 6, 3, 8], [-1, -1, 0, 2]       # first path 2 -> 3 -> 8
     assert first_path(drafts, parents) == [2, 3, 8]
     assert policy.lookups(req, left=10, batch_size=1) == []     # (9, 1) never occurred before
+    req.acceptance = AcceptanceRecord(reached=100, accepted=90)  # the head's path: mostly kept
+    keys = [LookupKey(True, CONTEXT, 3, place) for place in (1, 2, 3)]  # (1, 2, 3) matched
     assert policy.lookups(req, left=10, batch_size=1, head_path=[2, 3]) == [
-        Proposal([2, 3, 4, 5, 9], CONTEXT, 3)]
+        Branch([2, 3, 4, 5, 9], CONTEXT, [None, None] + keys)]
     assert policy.lookups(req, left=4, batch_size=1, head_path=[2, 3])[0].tokens == [2, 3, 4, 5]
+    # the rows cost draft_step_cost (0.05) each: past a head path kept half the time (0.25 for
+    # both), the context's third token (0.5 ** 3 before anything was measured) does not pay
+    req.acceptance = AcceptanceRecord()
+    assert policy.lookups(req, left=10, batch_size=1, head_path=[2, 3])[0].tokens == [2, 3, 4, 5]
 
 
 def test_a_greedy_request_beside_others_looks_up_while_it_may_draft_at_all():
@@ -219,5 +224,19 @@ def test_a_greedy_request_beside_others_looks_up_while_it_may_draft_at_all():
                                              draft_call_cost=0.0, draft_step_cost=0.0))
     req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[7, 1, 2, 3, 4, 9, 1, 2])
     policy.setup_lookup(req)
-    found = [Proposal([3, 4, 9], CONTEXT, 2)]
+    found = [Branch([3, 4, 9], CONTEXT, [LookupKey(True, CONTEXT, 2, place) for place in (1, 2, 3)])]
     assert [policy.lookups(req, left=10, batch_size=b) for b in (1, 2, 4, 5)] == [found] * 3 + [[]]
+
+
+def test_a_lookup_tokens_chance_is_its_keys_measured_rate_times_its_predecessors_chance():
+    keys = LookupScores.keys(Proposal([5, 6, 7, 8, 9, 4], CONTEXT, (4,) * 6), matched=True)
+    assert keys == [LookupKey(True, CONTEXT, 4, min(place, MAX_PLACE)) for place in range(1, 7)]
+    scores = LookupScores()
+    assert scores.chances(keys[:3]) == [PRIOR_RATE, PRIOR_RATE ** 2, PRIOR_RATE ** 3]
+    for i in range(2000):  # the first place kept 3 times in 4, the second always
+        scores.record(keys[0], i % 4 != 0)
+        scores.record(keys[1], True)
+    assert scores.chances(keys[:3]) == pytest.approx([0.75, 0.75, 0.75 * PRIOR_RATE], abs=0.01)
+    assert scores.chances(keys[:3], measured=False) == [PRIOR_RATE, PRIOR_RATE ** 2, PRIOR_RATE ** 3]
+    other = LookupScores.keys(Proposal([5], CORPUS, (9,)), matched=False)  # rejection-sampled
+    assert scores.chances(other) == [PRIOR_RATE]

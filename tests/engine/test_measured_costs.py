@@ -4,12 +4,12 @@ verify rows stop a busy batch from drafting and cheap ones let it draft; seeded 
 requests keep the static costs; the engine records its calls, and its output stays exact."""
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from eagle_serve.costs import MIN_CALLS, MeasuredCosts
 from eagle_serve.drafting import BATCH_MARGIN, MEASURED_MARGIN, DraftPolicy
+from eagle_serve.lookup import CONTEXT, CORPUS, HEAD
+from eagle_serve.lookup_scores import MAX_PLACE, LookupKey, LookupScores
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
 from eagle_serve.testing import tiny_engine
@@ -91,17 +91,32 @@ def test_dear_verify_rows_stop_a_busy_batch_drafting_where_the_static_costs_woul
     assert policy.round_shape(greedy, 100, 4).nodes == 1  # switched off: static again
 
 
+def looping_request(policy: DraftPolicy) -> Request:
+    req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None,
+                  tokens=[7, 1, 2, 3, 4, 5, 6, 9, 1, 2])   # (1, 2) went on 3 4 5 6 before
+    policy.setup_lookup(req)
+    return req
+
+
+def score(policy: DraftPolicy, rate_in_10: int, drafts: int = 200) -> None:
+    """The process has verified `drafts` reached context drafts of a 2-token match at each
+    place, rate_in_10 in 10 of them accepted."""
+    for place in range(1, MAX_PLACE + 1):
+        for i in range(drafts):
+            policy.lookup_scores.record(LookupKey(True, CONTEXT, 2, place), i % 10 < rate_in_10)
+
+
 def test_dear_rows_stop_lookups_before_any_drafter_call_is_measured():
-    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0))
-    greedy = request(policy, SamplingParams(), 42)
-    greedy.lookup_acceptance = AcceptanceRecord(reached=100, accepted=40)
-    assert policy._paying_lookup(greedy, 4) >= 1  # static costs: a looked-up draft pays
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, lookup_tokens=4))
+    req = looping_request(policy)
+    score(policy, 4)
+    assert policy.lookups(req, left=10, batch_size=4)  # static costs: a looked-up draft pays
     for _ in range(3):
         for r in range(4, 9):  # fp32 on the AVX-512 build, in process, roughly; no drafter call
-            policy.costs.record_target(r, 0.012 + 0.0013 * r)
+            policy.costs.record_target(r, 0.004 + 0.0012 * r)
     assert policy.costs.shares(4).call is None
-    assert policy._paying_lookup(greedy, 4) == 0
-    assert policy._costs(greedy, 4)[0] == pytest.approx(policy.config.draft_call_cost / 4)
+    assert policy.lookups(req, left=10, batch_size=4) == []
+    assert policy._costs(req, 4)[0] == pytest.approx(policy.config.draft_call_cost / 4)
 
 
 def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_batch_needs_a_margin():
@@ -153,40 +168,35 @@ def test_the_engine_measures_its_calls_and_greedy_output_stays_exact(tiny_target
     assert all(seconds > 0 for seconds in costs.target.values())
 
 
-def test_a_lookup_branch_is_as_long_as_the_requests_lookup_acceptance_pays_for():
-    """A lookup draft costs one verify row and no drafter call: branches of lookup_tokens while
-    the request's lookups are mostly accepted, shorter ones as fewer are, then none but a probe
-    now and then."""
-    from eagle_serve.drafting import PROBE_BUDGET, PROBE_EVERY
-
-    policy = DraftPolicy(EngineConfig.served(lookup_tokens=4))
-    req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None,
-                  tokens=[7, 1, 2, 3, 4, 5, 6, 9, 1, 2])   # (1, 2) went on 3 4 5 6 before
-    policy.setup_lookup(req)
-    policy.costs = measured(0.020, 0.0035, 0.007)  # alone: a row is ~15% of a plain round
-
-    def branch(rate_in_100: int) -> list[int]:
-        req.lookup_acceptance = AcceptanceRecord(reached=100, accepted=rate_in_100)
+def test_a_lookup_branch_ends_at_its_last_token_likely_enough_to_pay_for_its_row():
+    """A lookup draft costs one verify row and no drafter call: its chance of acceptance is the
+    product of the measured rates of its key and its predecessors' (LookupScores)."""
+    def branch(rate_in_10: int) -> list[int]:
+        policy.lookup_scores = LookupScores()
+        score(policy, rate_in_10)
         found = policy.lookups(req, left=10, batch_size=1)
         return found[0].tokens if found else []
-    assert branch(90) == [3, 4, 5, 6]
-    assert branch(30) == [3]
-    assert branch(5) == []
-    req.lookup_acceptance.idle_rounds = max(PROBE_EVERY, math.ceil(policy.costs.shares(1).step / PROBE_BUDGET))
-    assert policy.lookups(req, left=10, batch_size=1)[0].tokens == [3]  # a probe (its row's cost in budget)
-    policy.config = EngineConfig.served(lookup_tokens=4, draft_call_cost=0.0, draft_step_cost=0.0)
-    assert branch(5) == [3, 4, 5, 6]  # costs off: every lookup drafts in full
+
+    policy = DraftPolicy(EngineConfig.served(lookup_tokens=4))
+    req = looping_request(policy)
+    policy.costs = measured(0.020, 0.0035, 0.007)  # alone: a row is ~15% of a plain round
+    assert branch(9) == [3, 4, 5, 6]   # 0.9 ** 4 = 0.66
+    assert branch(3) == [3]            # 0.3, then 0.09
+    assert branch(1) == []
+    policy.config = EngineConfig.served(lookup_tokens=4, draft_call_cost=0.0, draft_step_cost=0.0,
+                                        draft_min_prob=0.0)
+    assert branch(1) == [3, 4, 5, 6]  # costs and confidence limits off: every lookup in full
 
 
-def test_a_requests_lookup_record_counts_the_lookup_drafts_it_reached_and_kept():
-    from eagle_serve.lookup import CONTEXT, CORPUS, HEAD
+def test_verification_counts_each_reached_lookup_draft_by_its_key_accepted_or_not():
     from eagle_serve.verify import _observe_lookups
 
     req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[1, 2])
+    req.lookup_scores = LookupScores()
+    context = [LookupKey(True, CONTEXT, 5, place) for place in (1, 2)]
+    corpus = LookupKey(True, CORPUS, 8, 1)
     # head chain 0 -> 1; a context branch 2 -> 3 from the root; a corpus draft 4 below head node 0
-    req.parents, req.draft_sources = [-1, 0, -1, 2, 0], [HEAD, HEAD, CONTEXT, CONTEXT, CORPUS]
+    req.parents, req.draft_keys = [-1, 0, -1, 2, 0], [None, None, context[0], context[1], corpus]
     _observe_lookups(req, path=[0, 4])  # kept: head 0, then the corpus draft below it
-    assert (req.lookup_acceptance.reached, req.lookup_acceptance.accepted) == (2, 1)  # 2 and 4
-    req.parents, req.draft_sources = [-1], [HEAD]
-    _observe_lookups(req, path=[])
-    assert req.lookup_acceptance.idle_rounds == 1
+    assert req.lookup_scores.counts == {context[0]: (1.0, 0.0), corpus: (1.0, 1.0)}  # 3: not reached
+    assert req.draft_sources == [HEAD, HEAD, CONTEXT, CONTEXT, CORPUS]
