@@ -225,8 +225,10 @@ class DraftPolicy:
         tree request drafts a chain of its depth."""
         cfg = self.config
         depth = self._paying_depth(req, max(0, min(req.depth, left)), batch_size)
+        if depth == 0:
+            return RoundShape(0, 1, 0, 0.0, 0.0)
         pruning = (self._row_prob(req, batch_size), cfg.draft_expand_prob if req.greedy else 0.0)
-        if req.topk > 1 and depth > 0 and self._trees_allowed(batch_size):
+        if req.topk > 1 and self._trees_allowed(batch_size):
             return RoundShape(min(req.k, tree_capacity(req.topk, depth)), req.topk, depth, *pruning)
         return RoundShape(depth, 1, depth, *pruning)
 
