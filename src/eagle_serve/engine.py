@@ -33,7 +33,8 @@ from collections import deque
 import torch
 
 from eagle_serve import verify
-from eagle_serve.drafting import DraftPolicy, propose_drafts
+from eagle_serve.draft_round import propose_drafts
+from eagle_serve.drafting import DraftPolicy
 from eagle_serve.lookup import CorpusIndex
 from eagle_serve.interfaces import DrafterRunner, KVLost, ModelUnavailable, TargetRunner
 from eagle_serve.requests import Completion, Request, RequestOutput, SamplingParams

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_serve.drafting import Branch, merge_branch
+from eagle_serve.draft_round import merge_branch
+from eagle_serve.drafting import Branch
 from eagle_serve.lookup import (CONTEXT, CORPUS, ContextIndex, CorpusIndex, CorpusRecord, Proposal,
                                 check_corpus_tokenizer, load_corpus_index, lookup_accuracy,
                                 tokenizer_fingerprint)
@@ -192,7 +193,8 @@ def test_requests_that_switch_lookups_off_draft_from_the_head_alone_and_sampled_
 
 
 def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
-    from eagle_serve.drafting import DraftPolicy, first_path
+    from eagle_serve.draft_round import first_path
+    from eagle_serve.drafting import DraftPolicy
     from eagle_serve.requests import AcceptanceRecord, Request
     from eagle_serve.settings import EngineConfig
 
