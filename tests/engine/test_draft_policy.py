@@ -121,7 +121,8 @@ def test_a_costly_probe_waits_until_its_cost_is_a_small_share_of_the_rounds():
 def test_a_request_never_probes_where_its_drafts_would_not_pay_even_if_nearly_always_accepted():
     """A chain of 2 accepted PROBE_RATE of the time gains 2.71 tokens a round: at a drafter call
     of 1.2 plain rounds (and 0.1 a row) that pays, at 2.0 it does not, and no probe is sent."""
-    assert best_chain(drafting.PROBE_RATE, 2, 1.2, 0.1) == 2 and best_chain(drafting.PROBE_RATE, 2, 2.0, 0.1) == 0
+    rate = drafting.PROBE_RATE
+    assert best_chain(rate, 2, 1.2, 0.1) == 2 and best_chain(rate, 2, 2.0, 0.1) == 0
     assert probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1)), 400) == []
 
 
