@@ -281,9 +281,9 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
 
 
 def _observe_head(req: Request, depths: list[int], path: list[int]) -> None:
-    """The request's acceptance record follows its head's drafts alone (the policy sizes those;
-    lookup branches are drafted whatever it says): the head's deepest draft and its drafts on
-    the accepted path (a prefix of it: lookup nodes hang below or beside the head's). A round
+    """The request's acceptance record follows its head's drafts alone (lookup branches are
+    sized by their own scores, lookup_scores): the head's deepest draft and its drafts on the
+    accepted path (a prefix of it: lookup nodes hang below or beside the head's). A round
     without head drafts is idle, even if its lookups drafted, so a head that stopped paying is
     probed again."""
     head = [d for d, source in zip(depths, req.draft_sources) if source == HEAD]
