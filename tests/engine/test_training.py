@@ -223,8 +223,9 @@ def test_in_process_eval_reports_acceptance_per_position_in_the_dtype_asked_for(
     from eagle_serve.train.evaluate import evaluate
 
     report = evaluate(eagle3_head, tiny_target, ["Why is the sky blue?", "Name three fruits."], k=2,
-                      max_tokens=8, dtype="float64")
+                      max_tokens=24, dtype="float64")  # long enough for the served policy to look up
     assert report["dtype"] == "float64" and report["prompts"] == 2
     first, second = report["acceptance_per_position"]
     assert 0.0 <= second <= first <= 1.0  # a chain's second draft counts only behind an accepted first
     assert 1.0 <= report["tau"] <= 3.0 and report["tokens_per_s"] > 0 and report["tokens_per_s_k0"] > 0
+    assert {s for s, n in report["drafts_by_source"].items() if n} == {"eagle"}  # the head alone

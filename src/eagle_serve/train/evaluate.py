@@ -18,9 +18,12 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
              max_tokens: int = 96, batch: int = 1, dtype: str = "auto") -> dict:
     """-> tau (the acceptance length), per-position acceptance (given all earlier accepted), tokens/s of k and of k=0.
     dtype: of target and head (auto = what the server runs)."""
-    # the head's own acceptance per chain position: unpruned chains of k
-    engine = build_local_engine(target_dir, head_dir, max_running=batch, dtype=dtype,
-                                draft_min_prob=0.0, draft_expand_prob=0.0)
+    # the head's own acceptance per chain position: unpruned chains of k every round, no lookup
+    # branches, no cost rule (the served policy would draft less, or from the lookups instead)
+    engine = build_local_engine(target_dir, head_dir, max_running=batch, dtype=dtype, corpus=None,
+                                draft_min_prob=0.0, draft_expand_prob=0.0, lookup_tokens=0,
+                                sampled_lookup_tokens=0, draft_call_cost=0.0, draft_step_cost=0.0,
+                                measured_draft_costs=False, max_draft_batch=0)
     ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
     timings = {}
     for kk in (0, k):
@@ -36,7 +39,8 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
     per_position = [a / d if d else None for a, d in zip(s.accepted_per_position, s.drafted_per_position)][:k]
     return {"k": k, "tau": acceptance_length(accepted, rounds), "acceptance_per_position": per_position,
             "tokens_per_s": timings[k], "tokens_per_s_k0": timings[0],
-            "speedup_in_process": timings[k] / timings[0], "prompts": len(prompts), "dtype": dtype}
+            "speedup_in_process": timings[k] / timings[0], "prompts": len(prompts), "dtype": dtype,
+            "drafts_by_source": dict(s.draft_tokens_by_source)}
 
 
 @torch.inference_mode()
