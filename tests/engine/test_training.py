@@ -229,3 +229,5 @@ def test_in_process_eval_reports_acceptance_per_position_in_the_dtype_asked_for(
     assert 0.0 <= second <= first <= 1.0  # a chain's second draft counts only behind an accepted first
     assert 1.0 <= report["tau"] <= 3.0 and report["tokens_per_s"] > 0 and report["tokens_per_s_k0"] > 0
     assert {s for s, n in report["drafts_by_source"].items() if n} == {"eagle"}  # the head alone
+    report = evaluate(eagle3_head, tiny_target, ["Why is the sky blue?"], k=5, max_tokens=24, dtype="float64")
+    assert len(report["acceptance_per_position"]) == 5 and None not in report["acceptance_per_position"]

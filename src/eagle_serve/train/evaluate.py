@@ -16,7 +16,8 @@ from eagle_serve.tokenization import encode_prompt
 
 def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
              max_tokens: int = 96, batch: int = 1, dtype: str = "auto") -> dict:
-    """-> tau (the acceptance length), per-position acceptance (given all earlier accepted), tokens/s of k and of k=0.
+    """-> tau (the acceptance length), per-position acceptance (the share of rounds that kept a
+    chain's j-th draft, and so every draft before it), tokens/s of k and of k=0.
     dtype: of target and head (auto = what the server runs)."""
     # the head's own acceptance per chain position: unpruned chains of k every round, no lookup
     # branches, no cost rule (the served policy would draft less, or from the lookups instead)
@@ -29,7 +30,7 @@ def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
     for kk in (0, k):
         start = time.perf_counter()
         results = engine.generate(ids, SamplingParams(max_tokens=max_tokens, num_speculative_tokens=kk,
-                                                      draft_topk=1))  # chains
+                                                      draft_topk=1, draft_depth=kk or None))  # chains of k
         seconds = time.perf_counter() - start
         timings[kk] = sum(len(r.token_ids) for r in results) / seconds
         if kk == k:
