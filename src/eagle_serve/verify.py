@@ -26,7 +26,7 @@ from eagle_serve import staging
 from eagle_serve.interfaces import (RaggedBatch, RowSampling, TargetOutput, TokenBan, ancestor_mask,
                                     tree_depths)
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.lookup import HEAD, SOURCES
+from eagle_serve.lookup import SOURCES
 from eagle_serve.requests import Request
 from eagle_serve.workspace import DraftWorkspace
 from kernels.rejection import (greedy_accept, greedy_tree_walk, random_accept,
@@ -286,9 +286,9 @@ def _observe_head(req: Request, depths: list[int], path: list[int]) -> None:
     accepted path (a prefix of it: lookup nodes hang below or beside the head's). A round
     without head drafts is idle, even if its lookups drafted, so a head that stopped paying is
     probed again."""
-    head = [d for d, source in zip(depths, req.draft_sources) if source == HEAD]
+    head = [d for d, key in zip(depths, req.draft_keys) if key is None]
     if head:
-        req.acceptance.observe(max(head), sum(req.draft_sources[n] == HEAD for n in path))
+        req.acceptance.observe(max(head), sum(req.draft_keys[n] is None for n in path))
     else:
         req.acceptance.idle_rounds += 1
 
@@ -305,11 +305,11 @@ def _observe_lookups(req: Request, path: list[int]) -> None:
 def _count_round(req: Request, path: list[int], stats: EngineStats) -> None:
     """path = the accepted draft nodes; per-position counters count by depth, per-source
     counters by the source that proposed each node."""
-    accepted = len(path)
-    for source in req.draft_sources:
+    accepted, sources = len(path), req.draft_sources
+    for source in sources:
         stats.draft_tokens_by_source[source] += 1
     for node in path:
-        stats.accepted_tokens_by_source[req.draft_sources[node]] += 1
+        stats.accepted_tokens_by_source[sources[node]] += 1
     depths = tree_depths(req.parents)
     offered = max(depths, default=0)  # deepest draft (a chain: k)
     _observe_head(req, depths, path)
