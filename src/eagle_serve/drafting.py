@@ -183,7 +183,7 @@ class DraftPolicy:
             if req.context is not None:
                 proposed.append(req.context.propose(req.tokens, limit, after=prefix))
             if req.params.corpus_lookup and self.corpus is not None:
-                proposed.append(self.corpus.propose(req.tokens[-self.corpus.max_n:] + prefix,
+                proposed.append(self.corpus.propose(req.tokens[-self.corpus.max_match:] + prefix,
                                                     limit, CORPUS_MIN_PROB))
             reach = head_rate ** len(prefix)
             for p in filter(None, proposed):

@@ -5,14 +5,16 @@ import random
 from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from eagle_serve import lookup
 from eagle_serve.draft_round import merge_branch
 from eagle_serve.drafting import Branch
-from eagle_serve.lookup import (CONTEXT, CORPUS, ContextIndex, CorpusIndex, CorpusRecord, Proposal,
-                                check_corpus_tokenizer, load_corpus_index, lookup_accuracy,
-                                tokenizer_fingerprint)
+from eagle_serve.lookup import (CONTEXT, CORPUS, MAX_MATCH, VOTE_CAP, ContextIndex, CorpusIndex,
+                                CorpusRecord, Proposal, check_corpus_tokenizer, corpus_strength,
+                                load_corpus_index, lookup_accuracy, tokenizer_fingerprint)
 from eagle_serve.lookup_scores import MAX_PLACE, PRIOR_RATE, LookupKey, LookupScores
 from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import tiny_engine
@@ -52,38 +54,81 @@ def test_a_repetition_loop_is_continued_past_the_end_of_the_stream():
     assert ContextIndex().propose([9, 1, 2, 1, 2, 1, 2], 5).tokens == [1, 2, 1, 2, 1]
 
 
-def corpus_counts(sequences, n):
-    counts: dict[tuple, Counter] = {}
-    for prompt, answer in sequences:
-        seq = prompt + answer
-        for t in range(max(len(prompt), n), len(seq)):
-            counts.setdefault(tuple(seq[t - n:t]), Counter())[seq[t]] += 1
-    return counts
+def brute_force_corpus(sequences, tokens: list[int], limit: int, min_prob: float) -> Proposal | None:
+    """The longest suffix of tokens (at most MAX_MATCH) that occurs in some record (prompt +
+    answer); the most frequent next token of its occurrences (ties: the lowest), then of those
+    that went on with it, while the product of the shares holds."""
+    records, ctx = [p + a for p, a in sequences], tokens[-MAX_MATCH:]
+    for n in range(len(ctx), 0, -1):
+        at = [(r, j) for r in records for j in range(n, len(r) + 1) if r[j - n:j] == ctx[-n:]]
+        if at:
+            break
+    else:
+        return None
+    out, strengths, prob = [], [], 1.0
+    while len(out) < limit:
+        at = [(r, j) for r, j in at if j < len(r)]
+        if not at:
+            break
+        counts = Counter(r[j] for r, j in at)
+        top = max(counts.values())
+        token = min(t for t, c in counts.items() if c == top)
+        prob *= top / len(at)
+        if prob < min_prob:
+            break
+        out.append(token)
+        strengths.append(corpus_strength(n + len(out) - 1, top, len(at)))
+        at = [(r, j + 1) for r, j in at if r[j] == token]
+    return Proposal(out, CORPUS, tuple(strengths)) if out else None
 
 
-def test_the_corpus_table_holds_each_contexts_most_frequent_next_token_and_its_share():
+def test_corpus_lookup_equals_a_brute_force_search_on_random_corpora(monkeypatch):
+    monkeypatch.setattr(lookup, "VOTE_CAP", 10**9)  # every occurrence votes, as in the brute force
     rng = random.Random(3)
-    sequences = [([rng.randrange(6) for _ in range(rng.randrange(0, 4))],
-                  [rng.randrange(6) for _ in range(rng.randrange(1, 30))]) for _ in range(200)]
-    index = CorpusIndex.build(sequences, vocab_size=6, fingerprint="x", max_n=3, min_count=2)
-    for n in (1, 2, 3):
-        counts = corpus_counts(sequences, n)
-        kept = {ctx: c for ctx, c in counts.items() if c.most_common(1)[0][1] >= 2}
-        assert len(index.tables[n].keys) == len(kept)
-        for ctx, c in kept.items():
-            found = index._lookup(list(ctx))
-            top = c.most_common(1)[0][1]
-            assert found[0] == n and c[found[1]] == top
-            assert found[2] == pytest.approx(top / sum(c.values()))
+    for trial in range(12):
+        vocab = rng.choice([3, 5, 12])
+        sequences = [([rng.randrange(vocab) for _ in range(rng.randrange(0, 4))],
+                      [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]) for _ in range(30)]
+        index = CorpusIndex.build(sequences, vocab_size=vocab, fingerprint="x")
+        for _ in range(40):  # random streams, and streams that end with a long run of a record
+            prompt, answer = rng.choice(sequences)
+            record = prompt + answer
+            cut = rng.randrange(1, len(record) + 1)
+            tokens = rng.choice([[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))],
+                                 [rng.randrange(vocab) for _ in range(rng.randrange(0, 3))] + record[:cut]])
+            limit, min_prob = rng.randrange(1, 7), rng.choice([0.0, 0.2, 0.5])
+            assert index.propose(tokens, limit, min_prob) == brute_force_corpus(
+                sequences, tokens, limit, min_prob), (trial, tokens)
 
 
-def test_a_corpus_walk_follows_the_longest_known_context_while_its_probability_holds():
+def test_a_corpus_walk_follows_the_longest_match_while_its_probability_holds():
     sequences = [([], [1, 2, 3, 4, 5])] * 3 + [([], [2, 3, 9])]
     index = CorpusIndex.build(sequences, vocab_size=16, fingerprint="x")
-    assert index.propose([7, 1, 2], 4, min_prob=0.5) == Proposal([3, 4, 5], CORPUS, (10, 10, 10))
+    # (1, 2) occurs three times, always followed by 3, 4, 5; the walk stops at a record's end
+    assert index.propose([7, 1, 2], 4, min_prob=0.5) == Proposal(
+        [3, 4, 5], CORPUS, (corpus_strength(2, 3, 3), corpus_strength(3, 3, 3), corpus_strength(4, 3, 3)))
     # after (2, 3) comes 4 three times in four: below 0.8 the walk stops before it
     assert index.propose([8, 2, 3], 4, min_prob=0.8) is None
-    assert index.propose([8, 2, 3], 4, min_prob=0.7) == Proposal([4, 5], CORPUS, (7, 10))
+    assert index.propose([8, 2, 3], 4, min_prob=0.7) == Proposal(
+        [4, 5], CORPUS, (corpus_strength(2, 3, 4), corpus_strength(3, 3, 3)))
+    # no match runs across two records: (5, 2) is not in the corpus, (2) is
+    assert index.propose([5, 2], 1, min_prob=0.0) == Proposal([3], CORPUS, (corpus_strength(1, 4, 4),))
+    assert index.propose([6], 4, min_prob=0.0) is None
+
+
+def test_a_context_with_many_occurrences_votes_over_evenly_spaced_ones():
+    sequences = [([], [7, 1, 5])] * 600 + [([], [7, 2, 5])] * 300
+    proposal = CorpusIndex.build(sequences, vocab_size=16, fingerprint="x").propose([7], 2, 0.0)
+    assert proposal.tokens == [1, 5]
+    # of the ~VOTE_CAP occurrences read, about two thirds go on with 1 (a share in [0.6, 1), 5+)
+    assert proposal.strengths[0] == corpus_strength(1, 2 * VOTE_CAP // 3, VOTE_CAP) == 22
+
+
+def test_a_corpus_steps_strength_reads_as_match_length_agreement_and_evidence_bands():
+    assert [corpus_strength(n, 5, 5) for n in (1, 2, 3, 5, 6, 11, 12, 40)] == [
+        32, 32, 132, 132, 232, 232, 332, 332]
+    assert [corpus_strength(4, a, 10) for a in (1, 2, 4, 5, 9)] == [100, 101, 111, 112, 122]
+    assert [corpus_strength(7, a, a) for a in (1, 2, 4, 5)] == [230, 231, 231, 232]
 
 
 def test_the_offline_lookup_measure_counts_what_each_source_gets_right_position_by_position():
@@ -96,7 +141,7 @@ def test_the_offline_lookup_measure_counts_what_each_source_gets_right_position_
     for r in records[20:]:
         for i in range(len(r.output_ids)):
             tokens, truth = r.prompt_ids + r.output_ids[:i], r.output_ids[i:i + 3]
-            found = {CONTEXT: brute_force_context(tokens, 3), CORPUS: index.propose(tokens[-3:], 3, 0.3)}
+            found = {CONTEXT: brute_force_context(tokens, 3), CORPUS: index.propose(tokens, 3, 0.3)}
             for source, p in found.items():
                 if p is not None:
                     proposed[source] += 1
@@ -119,7 +164,16 @@ def test_the_corpus_index_refuses_a_tokenizer_it_was_not_built_with(tmp_path, ti
         load_corpus_index(tmp_path / "corpus-index.npz", tokenizer)
     index.fingerprint = tokenizer_fingerprint(tokenizer)
     index.save(tmp_path / "corpus-index.npz")
-    assert load_corpus_index(tmp_path / "corpus-index.npz", tokenizer).tables.keys() == {1, 2, 3}
+    loaded = load_corpus_index(tmp_path / "corpus-index.npz", tokenizer)
+    assert loaded.propose([2, 3], 2, 0.0).tokens == [2, 3]
+
+
+def test_an_index_of_an_older_version_is_refused_with_the_command_that_rebuilds_it(tmp_path, tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target))
+    np.savez_compressed(tmp_path / "old.npz", bits=16, fingerprint=tokenizer_fingerprint(tokenizer),
+                        keys_1=np.zeros(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="older version.*python -m eagle_serve.lookup build"):
+        load_corpus_index(tmp_path / "old.npz", tokenizer)
 
 
 def test_a_corpus_tokenized_with_another_vocabulary_is_refused(tiny_target):
