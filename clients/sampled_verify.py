@@ -7,9 +7,9 @@
 engines on the default model (the served settings, one per mode) can. Each prompt (each wave
 of --concurrency prompts, run together) goes through every config in turn, seeded (seed =
 1000 + prompt index) at --temperature: plain sampling (k = 0), rejection-sampled chains (mode
-`rejection`: a seeded request drafts as if alone), the shipped mode `auto` (seeded requests
-coupled, drafting by the load), coupled chains of the same length, a coupled 2x2 tree keeping
-4 drafts, and coupled requests as served (a 2x2 tree, all 6 of its drafts). Prints tokens/s,
+`rejection`: a seeded request drafts as if alone), mode `auto` (seeded requests coupled,
+drafting by the load), coupled chains of the same length, a coupled 2x2 tree keeping 4 drafts,
+and coupled requests as served (`coupled`, shipped: a 2x2 tree, all 6 of its drafts). Prints tokens/s,
 the speedup over plain sampling and tau per config, and how many outputs equal plain
 sampling's (every coupled one, by construction). Each engine first runs the first wave twice,
 unseeded and untimed, so that its measured draft costs are in place (as on a running server).
@@ -31,7 +31,7 @@ from eagle_serve.tokenization import encode_prompt
 CONFIGS = {  # name: (sampled_verify, request parameters)
     "plain": ("rejection", dict(num_speculative_tokens=0)),
     "rejection": ("rejection", {}),
-    "auto (shipped)": ("auto", {}),
+    "auto": ("auto", {}),
     "coupled chains": ("coupled", dict(draft_topk=1, draft_depth=2)),
     "coupled 2x2 tree, k 4": ("coupled", dict(num_speculative_tokens=4)),
     "coupled (2x2 tree, k 6)": ("coupled", {}),

@@ -78,8 +78,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, nargs="+", default=MAX_TOKENS)
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--model", default="spec_decode", help="ensemble or spec_decode")
-    p.add_argument("--seeded", action="store_true", help="sampled requests carry a seed (the "
-                   "shipped sampled_verify 'auto' couples them: their output is plain sampling's)")
+    p.add_argument("--seeded", action="store_true", help="sampled requests carry a seed (coupled, "
+                   "as the server ships, their output is then plain sampling's)")
     p.add_argument("--json", required=True)
     p.add_argument("--plot")
     args = p.parse_args(argv)

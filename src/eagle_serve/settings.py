@@ -93,12 +93,14 @@ class ServingSettings:
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
     sampled_lookup_tokens: int = 3             # the same beside a sampled request's chain (0 = off)
-    sampled_verify: str = "auto"               # how sampled drafts are verified: "rejection"
-    #                                            (rejection sampling of drafts drawn from q),
-    #                                            "coupled" (drafts are the drafter's guesses at
-    #                                            the target's own seeded sample, kept while they
-    #                                            equal it; they draft trees, below), or "auto":
-    #                                            requests with a seed coupled, others rejection
+    sampled_verify: str = "coupled"            # how sampled drafts are verified: "coupled"
+    #                                            (drafts are the drafter's guesses at the
+    #                                            target's own seeded sample, a request without a
+    #                                            seed given a random one, kept while they equal
+    #                                            it; they draft trees, below), "rejection"
+    #                                            (rejection sampling of drafts drawn from q), or
+    #                                            "auto": requests with a seed coupled, others
+    #                                            rejection-sampled
     coupled_draft_topk: int = 2                # children per node of a coupled request's tree
     #                                            (depth sampled_draft_depth; 1 = chains; a
     #                                            request's draft_topk overrides it)

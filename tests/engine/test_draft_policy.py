@@ -67,7 +67,7 @@ def policy_request(policy: DraftPolicy, params: SamplingParams) -> Request:
 
 def test_a_sampled_chain_shortens_and_stops_as_its_acceptance_falls_and_probes_again():
     policy = DraftPolicy(EngineConfig.served(sampled_draft_depth=3, draft_call_cost=0.1,
-                                             draft_step_cost=0.16))
+                                             draft_step_cost=0.16, sampled_verify="rejection"))
     req = policy_request(policy, SamplingParams(temperature=0.7))
 
     def round_(accepted: int) -> int:
@@ -92,7 +92,8 @@ def test_a_sampled_chain_shortens_and_stops_as_its_acceptance_falls_and_probes_a
 
 
 def probe_waits(policy: DraftPolicy, rounds: int) -> list[int]:
-    """Rounds between the probes of a sampled request whose drafts never pay."""
+    """Rounds between the probes of a sampled request whose drafts never pay (a rejection-sampled
+    chain under the policy's sampled_verify)."""
     req = policy_request(policy, SamplingParams(temperature=0.7))
     probed = []
     for round_ in range(1, rounds):
@@ -106,7 +107,8 @@ def probe_waits(policy: DraftPolicy, rounds: int) -> list[int]:
 
 def test_probes_of_a_request_whose_drafts_never_pay_come_ever_less_often(monkeypatch):
     monkeypatch.setattr(drafting, "PROBE_BUDGET", 10.0)  # probes cheap enough for any wait
-    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=1.2, draft_step_cost=0.1)), 160)
+    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=1.2, draft_step_cost=0.1,
+                                                         sampled_verify="rejection")), 160)
     assert waits[:4] == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, 8 * PROBE_EVERY + 1]
     assert set(waits[4:]) == {MAX_PROBE_WAIT + 1}
 
@@ -114,7 +116,8 @@ def test_probes_of_a_request_whose_drafts_never_pay_come_ever_less_often(monkeyp
 def test_a_costly_probe_waits_until_its_cost_is_a_small_share_of_the_rounds():
     """A probe that costs 1.3 plain rounds (a drafter call of 1.2, a verify row of 0.1) comes at
     most once in 1.3 / PROBE_BUDGET rounds, far beyond MAX_PROBE_WAIT."""
-    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=1.2, draft_step_cost=0.1)), 400)
+    waits = probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=1.2, draft_step_cost=0.1,
+                                                         sampled_verify="rejection")), 400)
     assert len(waits) >= 3 and set(waits) == {math.ceil(1.3 / PROBE_BUDGET) + 1}
 
 
@@ -123,7 +126,8 @@ def test_a_request_never_probes_where_its_drafts_would_not_pay_even_if_nearly_al
     of 1.2 plain rounds (and 0.1 a row) that pays, at 2.0 it does not, and no probe is sent."""
     rate = drafting.PROBE_RATE
     assert best_chain(rate, 2, 1.2, 0.1) == 2 and best_chain(rate, 2, 2.0, 0.1) == 0
-    assert probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1)), 400) == []
+    assert probe_waits(DraftPolicy(EngineConfig.served(draft_call_cost=2.0, draft_step_cost=0.1,
+                                                       sampled_verify="rejection")), 400) == []
 
 
 def test_requests_that_share_a_drafter_call_draft_where_one_alone_would_not():
@@ -163,13 +167,15 @@ def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_rejection_sample
     assert [policy.round_shape(r, 100, 2).nodes for r in (greedy, unseeded, seeded)][1:] == [0, 3]
     assert policy.round_shape(greedy, 100, 4).nodes > 0
 
-    auto = DraftPolicy(EngineConfig.served(**costs))
-    assert auto.config.sampled_verify == "auto"
+    assert EngineConfig.served().sampled_verify == "coupled"
+    assert policy_request(DraftPolicy(EngineConfig.served(**costs)),
+                          SamplingParams(temperature=0.7)).coupled  # with a random seed
+    auto = DraftPolicy(EngineConfig.served(sampled_verify="auto", **costs))
     coupled = policy_request(auto, SamplingParams(temperature=0.7, seed=5))
     assert coupled.coupled and not policy_request(auto, SamplingParams(temperature=0.7)).coupled
     coupled.acceptance = AcceptanceRecord(reached=100, accepted=40)
     assert auto.round_shape(coupled, 100, 1).nodes > 0 == auto.round_shape(coupled, 100, 8).nodes
-    auto.config = EngineConfig.served(max_sampled_draft_batch=1)
+    auto.config = EngineConfig.served(sampled_verify="auto", max_sampled_draft_batch=1)
     assert auto.round_shape(coupled, 100, 2).nodes == 0      # beyond max_sampled_draft_batch
 
 

@@ -120,7 +120,8 @@ def test_dear_rows_stop_lookups_before_any_drafter_call_is_measured():
 
 
 def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_batch_needs_a_margin():
-    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0))
+    policy = DraftPolicy(EngineConfig.served(max_draft_batch=0, max_sampled_draft_batch=0,
+                                             sampled_verify="rejection"))
     sampled = request(policy, SamplingParams(temperature=0.7), 40)  # a chain of 2
     policy.costs = measured(0.035, 0.003, 0.011)  # alone: 2 drafts gain ~1.08x, short of 1 + margin
     share = policy.costs.shares(1)

@@ -89,8 +89,9 @@ def test_the_warmup_launches_every_variant_the_engine_launches(small_models, rec
     target, head = small_models
     engine = build_local_engine(target, head, dtype=torch.float32, num_speculative_tokens=3,
                                 num_target_pages=64, num_drafter_pages=64, num_draft_slots=64,
-                                draft_call_cost=0.0, draft_step_cost=0.0)  # fixed shapes: every
-    #                                                       path drafts, whatever the timings
+                                draft_call_cost=0.0, draft_step_cost=0.0,  # fixed shapes: every
+                                sampled_verify="auto")  # path drafts, whatever the timings; both
+    #                                                     ways of verifying sampled drafts run
     for report in (warmup.warm_target(engine.target, force=True),
                    warmup.warm_drafter(engine.drafter, force=True),
                    warmup.warm_engine(engine, force=True)):
