@@ -4,13 +4,14 @@ Each token of a lookup proposal (eagle_serve.lookup) has a key: the kind of veri
 (matched: greedy and coupled requests, whose drafts must equal the target's own token;
 rejection-sampled ones, whose drafts are accepted with the target's probability of them), the
 source, the strength of what proposed it (a context match: the matched suffix's length; a
-corpus step: lookup.corpus_strength, its match length's band and share in tenths) and its place
-in the proposal (1, 2, 3, MAX_PLACE and beyond). `LookupScores` keeps, per key, decayed counts
-of the drafts that were reached (their parent was accepted, or they hung from the root) and of
-those accepted: a token's chance of being accepted is the product of its own rate and its
-predecessors'. One table serves every request of the process: a request's own few rounds say
-little, while a context match of 6 tokens or a corpus step of share 0.9 after a long match behaves alike in every
-request, and a proposal is scored from its first round on, with no probing.
+corpus step: lookup.corpus_strength, the bands of its match length, of the agreement of the
+corpus's occurrences and of their number) and its place in the proposal (1, 2, 3, MAX_PLACE
+and beyond). `LookupScores` keeps, per key, decayed counts of the drafts that were reached
+(their parent was accepted, or they hung from the root) and of those accepted: a token's
+chance of being accepted is the product of its own rate and its predecessors'. One table serves
+every request of the process: a request's own few rounds say little, while a context match of 6
+tokens or a unanimous corpus step after a long match behaves alike in every request, and a
+proposal is scored from its first round on, with no probing.
 
 The draft policy keeps a proposal up to its last token likely enough to pay for its verify row
 (drafting.DraftPolicy.lookups); the tokens it drafts are counted by verify._observe_lookups.
