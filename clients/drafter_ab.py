@@ -3,12 +3,15 @@ batch) through plain decoding and the default draft policy with each drafter fol
 and its corpus-index.npz if it has one) in turn, greedy.
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
-        --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4]
+        --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit]
 
 Every config runs on its own engine over the same target in this process, one group at a
 time, so drift hits all alike; the speedups are against plain decoding in the same run. In
 process a drafter call costs less than through Triton (no BLS hop), so the policy may draft
 more here than a server does: use this to compare drafters, speedup_matrix.py for serving.
+--every-logit adds plain decoding and the first drafter on an engine whose greedy tokens come
+from every logit of the LM head instead of the screened few (eagle_serve.cpu_argmax): the
+same tokens, the screen's gain.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1, help="prompts run together as one batch")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    p.add_argument("--every-logit", action="store_true",
+                   help="also plain decoding and the first drafter with every logit computed")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,6 +44,10 @@ def main(argv=None) -> None:
     engines = {d: build_local_engine(target, d) for d in args.drafters}
     first = next(iter(engines.values()))
     configs = [("plain", first, 0)] + [(d, e, None) for d, e in engines.items()]
+    if args.every_logit:
+        full = build_local_engine(target, args.drafters[0])
+        full.target.screen = None
+        configs += [("plain, every logit", full, 0), (f"{args.drafters[0]}, every logit", full, None)]
     prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
     for _, engine, k in configs:  # warm-up, untimed
         engine.generate([prompts[0]], SamplingParams(max_tokens=8, num_speculative_tokens=k))

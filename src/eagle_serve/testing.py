@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from eagle_serve.checkpoints import read_target_tensor, save_head
+from eagle_serve.cpu_quant import round_to_q8_0
 from eagle_serve.heads import EagleHead, random_head
 from eagle_serve.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.target import load_target_config
@@ -296,6 +297,21 @@ def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, d
     from eagle_serve.local import build_local_engine
 
     return build_local_engine(target_dir, head_dir, dtype=dtype, **{**TEST_ENGINE, **overrides})
+
+
+def q8_0_target(tiny_target: str | Path, folder: str | Path) -> Path:
+    """The tiny target with every linear rounded to Q8_0, in float32 (a GGUF-like target)."""
+    folder = Path(folder)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(round_to_q8_0(m.weight))
+    model.save_pretrained(folder)
+    for f in Path(tiny_target).iterdir():
+        if "token" in f.name:
+            shutil.copy(f, folder / f.name)
+    return folder
 
 
 def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -61,14 +61,14 @@ def test_the_kernels_are_built_for_avx512_where_the_cpu_has_it_unless_avx2_is_as
 
 @pytest.mark.skipif(not wide_linears(), reason="the AVX2 build is this CPU's default: tested above")
 def test_the_avx2_build_gives_the_same_guarantees_where_avx512_is_the_default():
-    """This file, the linears' and the 8-bit activations' tests again, in a process with
-    EAGLE_CPU_ISA=avx2 (the build of AVX2-only CPUs: 8 lanes, 6-row tiles, the dense weight past
-    12 rows, 8-bit activations without VNNI)."""
+    """This file, the linears', the 8-bit activations' and the screened argmax's tests again, in
+    a process with EAGLE_CPU_ISA=avx2 (the build of AVX2-only CPUs: 8 lanes, 6-row tiles, the
+    dense weight past 12 rows, 8-bit activations without VNNI)."""
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build",
          "tests/engine/test_cpu_quant.py", "tests/engine/test_cpu_matmul.py",
-         "tests/engine/test_int8_activations.py"],
+         "tests/engine/test_int8_activations.py", "tests/engine/test_cpu_argmax.py"],
         cwd=root, env={**os.environ, "EAGLE_CPU_ISA": "avx2"}, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 

@@ -5,16 +5,13 @@ threads, so verification still reproduces decoding; the drafter runs them by def
 where asked."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from eagle_serve.cpu_matmul import CpuLinear
-from eagle_serve.cpu_quant import block_form, int8_activations_run, round_to_q8_0
+from eagle_serve.cpu_quant import block_form, int8_activations_run
 from eagle_serve.requests import SamplingParams
-from eagle_serve.testing import gguf_weight, tiny_engine
+from eagle_serve.testing import gguf_weight, q8_0_target, tiny_engine
 
 pytestmark = pytest.mark.skipif(not int8_activations_run(),
                                 reason="8-bit activations run on the CPU kernels (AVX2, FMA)")
@@ -56,26 +53,12 @@ def test_a_weight_with_outputs_not_a_multiple_of_16_is_refused_for_8_bit_activat
         block_form(gguf_weight("q8_0", 40, 64)).int8_activations()
 
 
-def _q8_0_target(tiny_target, folder):
-    """The tiny target with every linear rounded to Q8_0, in float32 (a GGUF-like target)."""
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.weight.copy_(round_to_q8_0(m.weight))
-    model.save_pretrained(folder)
-    for f in tiny_target.iterdir():
-        if "token" in f.name:
-            shutil.copy(f, folder / f.name)
-    return folder
-
-
 def test_a_target_on_8_bit_activations_verifies_to_exactly_its_own_plain_decoding(tiny_target, eagle3_head,
                                                                                   prompts, tmp_path):
     """Greedy chains and trees give what the same int8 target decodes alone (its outputs differ
     from the fp32 forward's: another arithmetic), and a seeded sampled request the same tokens
     alone as beside others."""
-    target = _q8_0_target(tiny_target, tmp_path / "q8")
+    target = q8_0_target(tiny_target, tmp_path / "q8")
     engine = tiny_engine(target, eagle3_head, dtype="float32", target_activations="int8")
     linears = [m for m in engine.target.cpu_linears() if m.blocks is not None]
     assert linears and all(m.blocks.kind == "q8_0_a8" for m in linears)

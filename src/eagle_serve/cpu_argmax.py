@@ -1,0 +1,75 @@
+"""Greedy tokens from a block-quantized LM head without computing every logit in fp32.
+
+A greedy row's token is the argmax of the LM head's fp32 logits (cpu_quant: bitwise the dense
+kernel's, first index on ties). On a small target the LM head is the largest linear (SmolLM2-135M:
+49152 x 576 Q8_0, ~1.3 ms of a ~6.5 ms decode step on 2 cores), while kernels/cpu_i8.cpp runs it
+on 8-bit activations in ~0.4 ms. `ScreenedArgmax` computes every logit that way, each within a
+bound B_v of its fp32 value, keeps the tokens that could still be the argmax (approx_v + B_v >=
+max_u (approx_u - B_u): every token whose fp32 logit may be the largest), computes their fp32
+logits with the dense kernel on their weight rows alone (bitwise the full head's: a logit's sum
+does not depend on which others are computed) and takes the argmax among them, the lowest id on
+ties: the full head's argmax, bit for bit, from a few dozen fp32 rows instead of 49152.
+
+The bound, per block b of 32 inputs of a row x (amax_b = max |x| there; the 8-bit form rounds
+x_j to da_b * qa_j, da_b = amax_b / 127, |x_j - da_b qa_j| <= da_b / 2 up to fp32 rounding):
+    |approx_v - fp32_v| <= sum_b amax_b * (A_vb * (0.5 / 127 + 2 K 2^-24) + (255 |d_vb| + |m_vb|) 2^-16)
+with A_vb = sum_j |w_vbj|: the activations' rounding, then both sums' fp32 accumulation over K
+inputs (K 2^-24 of sum |w x| each), then the fp32 rounding of the 8-bit kernel's block sums
+(integers up to 255 * 127 * 32, scaled by d and offset by m); it is used twice over, so a wrong
+token can only be kept, never the right one dropped (tests/engine/test_cpu_argmax.py checks the
+result against the full head's argmax, near ties and exact ties included).
+"""
+from __future__ import annotations
+
+import torch
+
+from eagle_serve.cpu_matmul import CpuLinear
+from eagle_serve.cpu_quant import BLOCK, int8_activations_run
+from kernels.cpu import cpu_kernels
+
+ACTIVATION_ROUNDING = 0.5 / 127 * 1.001  # per unit of A_vb * amax_b (the 1.001: fp32's own)
+KERNEL_ROUNDING = 2.0 ** -16  # per unit of (255 |d| + |m|) * amax_b: the 8-bit block sums
+MARGIN = 2.0                  # the bound is used this many times over
+SCREEN_ROWS = 8               # the most rows screened (here, in ms, for 1 / 2 / 4 / 8 rows: the
+#                               full head 1.27 / 1.30 / 1.54 / 1.98, screened 0.71 / 0.96 / 1.20 /
+#                               1.76; a decode step with its LM head 6.5 ms)
+
+
+class ScreenedArgmax:
+    def __init__(self, head: CpuLinear):
+        """head: the LM head, with its exact Q4_1 / Q8_0 blocks found (CpuLinear.find_blocks)."""
+        blocks = head.blocks
+        assert screenable(head), "ScreenedArgmax needs a block-quantized CPU LM head without bias"
+        self.weight = head.weight.detach()  # [V, K] fp32: the rows whose fp32 logits are computed
+        self.approx = blocks.int8_activations()
+        v, k = self.weight.shape
+        spread = self.weight.reshape(v, k // BLOCK, BLOCK).abs().sum(-1)  # [V, B] A_vb
+        scales = blocks.scales.abs()  # q8_0 [V, B] |d|; q4_1 [V, B, 2] |d|, |m|
+        offset = 255 * scales if scales.dim() == 2 else 255 * scales[..., 0] + scales[..., 1]
+        # [B, V]: B_v = amax [R, B] @ this
+        rounding = ACTIVATION_ROUNDING + 2 * k * 2.0 ** -24
+        self.bound = (MARGIN * (rounding * spread + KERNEL_ROUNDING * offset)).t().contiguous()
+
+    def __call__(self, final: torch.Tensor) -> torch.Tensor:
+        """final [R, K] fp32 -> [R] int64: the argmax of head(final) per row."""
+        r, k = final.shape
+        approx = self.approx.linear(final, None)  # [R, V]
+        bound = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1) @ self.bound  # [R, V]
+        floor = (approx - bound).amax(dim=-1, keepdim=True)  # [R, 1] the best sure lower bound
+        keep = approx.add_(bound) >= floor  # [R, V] every token that may hold the argmax
+        out = []
+        for row, kept in zip(final, keep):
+            ids = kept.nonzero().squeeze(1)  # [C] ascending
+            if not ids.numel():  # NaN logits: as the full head takes their argmax
+                ids = torch.arange(len(self.weight))
+            exact = cpu_kernels().linear(row.unsqueeze(0), self.weight[ids], None)  # the head's bits
+            out.append(ids[exact.argmax()])  # the first of equal maxima: the lowest id
+        return torch.stack(out)
+
+
+def screenable(head) -> bool:
+    """Whether `head` is a CPU LM head ScreenedArgmax takes: exact Q4_1 / Q8_0 blocks (a
+    multiple of 16 outputs, as cpu_i8.cpp packs them), no bias, the 8-bit kernel present."""
+    return (isinstance(head, CpuLinear) and head.blocks is not None and head.bias is None
+            and head.blocks.kind in ("q4_1", "q8_0") and head.out_features % 16 == 0
+            and int8_activations_run())
