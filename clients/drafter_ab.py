@@ -5,13 +5,14 @@ and its corpus-index.npz if it has one) in turn, greedy.
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit]
 
-Every config runs on its own engine over the same target in this process, one group at a
-time, so drift hits all alike; the speedups are against plain decoding in the same run. In
-process a drafter call costs less than through Triton (no BLS hop), so the policy may draft
-more here than a server does: use this to compare drafters, speedup_matrix.py for serving.
---every-logit adds plain decoding and the first drafter on an engine whose greedy tokens come
-from every logit of the LM head instead of the screened few (eagle_serve.cpu_argmax): the
-same tokens, the screen's gain.
+Every drafter runs on its own engine over the same target in this process, one group at a time
+through every config (reversed every other group), so drift hits all alike; the speedups are
+against plain decoding in the same run. In process a drafter call costs less than through
+Triton (no BLS hop), so the policy may draft more here than a server does: use this to compare
+drafters, speedup_matrix.py for serving.
+--every-logit adds plain decoding and the first drafter on the same engine with its greedy
+tokens from every logit of the LM head instead of the screened few (eagle_serve.cpu_argmax):
+the same tokens, the screen's gain.
 """
 from __future__ import annotations
 
@@ -44,18 +45,19 @@ def main(argv=None) -> None:
     engines = {d: build_local_engine(target, d) for d in args.drafters}
     first = next(iter(engines.values()))
     configs = [("plain", first, 0)] + [(d, e, None) for d, e in engines.items()]
-    if args.every_logit:
-        full = build_local_engine(target, args.drafters[0])
-        full.target.screen = None
-        configs += [("plain, every logit", full, 0), (f"{args.drafters[0]}, every logit", full, None)]
+    screens = {name: engine.target.screen for name, engine, _ in configs}  # the engine's own
+    if args.every_logit:  # the same engine with its screen off: no difference but the screen
+        configs += [("plain, every logit", first, 0), (f"{args.drafters[0]}, every logit", first, None)]
+        screens |= dict.fromkeys(name for name, _, _ in configs[-2:])
     prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
     for _, engine, k in configs:  # warm-up, untimed
         engine.generate([prompts[0]], SamplingParams(max_tokens=8, num_speculative_tokens=k))
     totals = {name: {"s": 0.0, "tokens": 0, "rounds": 0, "accepted": 0, "same": 0} for name, _, _ in configs}
     groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
-    for group in tqdm(groups, desc="prompt groups x configs", unit="group"):
-        plain = None
-        for name, engine, k in configs:
+    for i, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
+        outputs = {}
+        for name, engine, k in configs if i % 2 == 0 else configs[::-1]:  # drift hits all alike
+            engine.target.screen = screens[name]
             start = time.perf_counter()
             outs = engine.generate(group, SamplingParams(max_tokens=args.max_tokens,
                                                          num_speculative_tokens=k))
@@ -64,8 +66,9 @@ def main(argv=None) -> None:
             t["tokens"] += sum(len(out.token_ids) for out in outs)
             t["rounds"] += sum(out.last.num_rounds for out in outs)
             t["accepted"] += sum(out.last.num_accepted_tokens for out in outs)
-            plain = [out.token_ids for out in outs] if plain is None else plain
-            t["same"] += sum(out.token_ids == same for out, same in zip(outs, plain))
+            outputs[name] = [out.token_ids for out in outs]
+        for name in totals:
+            totals[name]["same"] += sum(a == b for a, b in zip(outputs[name], outputs["plain"]))
     base = totals["plain"]["tokens"] / totals["plain"]["s"]
     for name, t in totals.items():
         speed = t["tokens"] / t["s"]

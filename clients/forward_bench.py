@@ -11,10 +11,9 @@ then the default target's forward in the server's `auto` dtype (fp32 where the C
 the target is GGUF blocks) for 1 to 16 new tokens of one request at context 200, its linears
 reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
 weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
-C++ call (eagle_serve.cpu_stack, the server's path; also with greedy tokens screened instead of
-every logit, eagle_serve.cpu_argmax, as greedy rows are served), and, on CPUs with native bf16,
-the same target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), and the
-one call on 8-bit activations (`target_activations` int8) (interleaved).
+C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
+target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), and the one call
+on 8-bit activations (`target_activations` int8) (interleaved).
 --kernels-from REV adds the one-call forward on the C++ kernels of git revision REV, built
 beside this tree's (an A/B of a kernel change, interleaved in one process).
 docs/performance.md quotes it.
@@ -118,7 +117,6 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     names = list(weights) + (["row kernel"] if any(kernel) else [])
     names += ["block kernel"] if any(b is not None for b in blocks) else []
     names += ["one call"] if stack is not None else []
-    names += ["one call, screened tokens"] if stack is not None and model.screen is not None else []
     other = kernels_at(kernels_from) if kernels_from and stack is not None else None
     names += [f"one call @{kernels_from}"] if other is not None else []
     bf16 = int8 = None
@@ -141,10 +139,7 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
-                if name.endswith("screened tokens"):  # greedy rows' tokens, no logits (cpu_argmax)
-                    model.screen(model.hidden_states(batch)[0])
-                else:
-                    {"bf16": bf16, "int8 activations": int8}.get(name, model).logits(batch, torch.arange(rows))
+                {"bf16": bf16, "int8 activations": int8}.get(name, model).logits(batch, torch.arange(rows))
                 times.setdefault((rows, name), []).append(time.perf_counter() - start)
     print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
     for rows in rows_list:

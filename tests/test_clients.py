@@ -243,8 +243,11 @@ def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_deco
     prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Count to five"}\n')
     out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
                "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
-               str(tiny_models["eagle1"]), "--concurrency", concurrency])
+               str(tiny_models["eagle1"]), "--concurrency", concurrency]
+              + ["--every-logit"] * (concurrency == "2"))
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
-    assert [line.split(":")[0] for line in lines] == ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]
+    names = ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]
+    names += ["plain, every logit", f"{tiny_models['eagle3']}, every logit"] * (concurrency == "2")
+    assert [line.split(": ")[0] for line in lines] == names
     assert all(line.endswith("output = plain 2/2") for line in lines)

@@ -4,11 +4,13 @@ A greedy row's token is the argmax of the LM head's fp32 logits (cpu_quant: bitw
 kernel's, first index on ties). On a small target the LM head is the largest linear (SmolLM2-135M:
 49152 x 576 Q8_0, ~1.3 ms of a ~6.5 ms decode step on 2 cores), while kernels/cpu_i8.cpp runs it
 on 8-bit activations in ~0.4 ms. `ScreenedArgmax` computes every logit that way, each within a
-bound B_v of its fp32 value, keeps the tokens that could still be the argmax (approx_v + B_v >=
-max_u (approx_u - B_u): every token whose fp32 logit may be the largest), computes their fp32
+bound B_v of its fp32 value, keeps the tokens that could still be a row's argmax (approx_v + B_v
+>= max_u (approx_u - B_u): every token whose fp32 logit may be the largest), computes their fp32
 logits with the dense kernel on their weight rows alone (bitwise the full head's: a logit's sum
 does not depend on which others are computed) and takes the argmax among them, the lowest id on
-ties: the full head's argmax, bit for bit, from a few dozen fp32 rows instead of 49152.
+ties: the full head's argmax, bit for bit, from a few dozen fp32 rows instead of 49152 (along
+held-out greedy answers 8 a row at the median; where logits are flat and too many are kept,
+the full head runs instead).
 
 The bound, per block b of 32 inputs of a row x (amax_b = max |x| there; the 8-bit form rounds
 x_j to da_b * qa_j, da_b = amax_b / 127, |x_j - da_b qa_j| <= da_b / 2 up to fp32 rounding):
@@ -30,6 +32,11 @@ from kernels.cpu import cpu_kernels
 ACTIVATION_ROUNDING = 0.5 / 127 * 1.001  # per unit of A_vb * amax_b (the 1.001: fp32's own)
 KERNEL_ROUNDING = 2.0 ** -16  # per unit of (255 |d| + |m|) * amax_b: the 8-bit block sums
 MARGIN = 2.0                  # the bound is used this many times over
+MAX_CANDIDATES = 1024         # more kept tokens (in all rows) than this: the full head instead
+#                               (flat logits, e.g. a forward on random tokens, keep hundreds a row)
+FLAT_SMOOTHING = 0.1          # weight of a call in the moving share of calls that kept too many;
+SKIP_CALLS = 64               # over half: the next this many calls compute every logit (a screen
+#                               that keeps too many costs its 8-bit pass on top of the full head)
 SCREEN_ROWS = 8               # the most rows screened (here, in ms, for 1 / 2 / 4 / 8 rows: the
 #                               full head 1.27 / 1.30 / 1.54 / 1.98, screened 0.71 / 0.96 / 1.20 /
 #                               1.76; a decode step with its LM head 6.5 ms)
@@ -40,6 +47,8 @@ class ScreenedArgmax:
         """head: the LM head, with its exact Q4_1 / Q8_0 blocks found (CpuLinear.find_blocks)."""
         blocks = head.blocks
         assert screenable(head), "ScreenedArgmax needs a block-quantized CPU LM head without bias"
+        self.head = head
+        self.flat, self.skip = 0.0, 0  # how often the screen kept too many lately; calls left unscreened
         self.weight = head.weight.detach()  # [V, K] fp32: the rows whose fp32 logits are computed
         self.approx = blocks.int8_activations()
         v, k = self.weight.shape
@@ -52,19 +61,22 @@ class ScreenedArgmax:
 
     def __call__(self, final: torch.Tensor) -> torch.Tensor:
         """final [R, K] fp32 -> [R] int64: the argmax of head(final) per row."""
+        if self.skip:  # the screen kept too many lately: every logit, for a while
+            self.skip -= 1
+            return self.head(final).argmax(dim=-1)
         r, k = final.shape
         approx = self.approx.linear(final, None)  # [R, V]
         bound = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1) @ self.bound  # [R, V]
         floor = (approx - bound).amax(dim=-1, keepdim=True)  # [R, 1] the best sure lower bound
-        keep = approx.add_(bound) >= floor  # [R, V] every token that may hold the argmax
-        out = []
-        for row, kept in zip(final, keep):
-            ids = kept.nonzero().squeeze(1)  # [C] ascending
-            if not ids.numel():  # NaN logits: as the full head takes their argmax
-                ids = torch.arange(len(self.weight))
-            exact = cpu_kernels().linear(row.unsqueeze(0), self.weight[ids], None)  # the head's bits
-            out.append(ids[exact.argmax()])  # the first of equal maxima: the lowest id
-        return torch.stack(out)
+        kept = (approx.add_(bound) >= floor).any(dim=0).nonzero().squeeze(1)  # [C] ascending
+        self.flat += FLAT_SMOOTHING * ((not 0 < len(kept) <= MAX_CANDIDATES) - self.flat)
+        if not 0 < len(kept) <= MAX_CANDIDATES:  # flat (or NaN) logits: every logit
+            self.skip = SKIP_CALLS if self.flat > 0.5 else 0
+            return self.head(final).argmax(dim=-1)
+        # every row's argmax is among the kept, and no kept token's logit exceeds its row's
+        # largest, so the first largest among them is the row's (the lowest id on ties)
+        exact = cpu_kernels().linear(final, self.weight[kept], None)  # [R, C] the head's bits
+        return kept[exact.argmax(dim=-1)]
 
 
 def screenable(head) -> bool:

@@ -92,3 +92,15 @@ def test_a_q8_0_target_decodes_and_verifies_the_same_tokens_screened_as_from_eve
     engine.target.screen = None
     assert screened == [[r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=16, **s))]
                         for s in shapes]
+
+
+def test_flat_logits_fall_back_to_every_logit_and_a_run_of_them_skips_the_screen_for_a_while():
+    lm = head(gguf_weight("q8_0", 2048, 64, seed=5))
+    screen = ScreenedArgmax(lm)
+    flat = torch.zeros(2, 64)  # every logit 0: every token may be the largest
+    sharp = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)) * 4
+    for _ in range(8):
+        assert torch.equal(screen(flat), torch.zeros(2, dtype=torch.int64))
+    assert screen.skip > 0  # most recent calls kept too many
+    skipped = screen.skip
+    assert torch.equal(screen(sharp), lm(sharp).argmax(-1)) and screen.skip == skipped - 1
