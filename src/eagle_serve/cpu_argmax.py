@@ -2,19 +2,21 @@
 
 A greedy row's token is the argmax of the LM head's fp32 logits (cpu_quant: bitwise the dense
 kernel's, first index on ties). On a small target the LM head is the largest linear (SmolLM2-135M:
-49152 x 576 Q8_0, ~1.3 ms of a ~6.5 ms decode step on 2 cores), while kernels/cpu_i8.cpp runs it
-on 8-bit activations in ~0.4 ms. `ScreenedArgmax` computes every logit that way, each within a
-bound B_v of its fp32 value, keeps the tokens that could still be a row's argmax (approx_v + B_v
->= max_u (approx_u - B_u): every token whose fp32 logit may be the largest), computes their fp32
-logits with the dense kernel on their weight rows alone (bitwise the full head's: a logit's sum
-does not depend on which others are computed) and takes the argmax among them, the lowest id on
-ties: the full head's argmax, bit for bit, from a few dozen fp32 rows instead of 49152 (along
-held-out greedy answers 8 a row at the median; where logits are flat and too many are kept,
-the full head runs instead).
+49152 x 576 Q8_0, ~1.3 ms in a loop on 2 cores, a decode step ~6.5 ms), while kernels/cpu_i8.cpp
+runs it on 8-bit activations in ~0.4 ms (in a forward, where both read the head's 28 MB from
+memory, a plain greedy step gains 3-8%: docs/performance.md). `ScreenedArgmax` computes every
+logit so, each within a bound B_v of its fp32 value, keeps the tokens that could still be a
+row's argmax (approx_v + B_v >= max_u (approx_u - B_u): every token whose fp32 logit may be the
+largest), computes their fp32 logits with the dense kernel on their weight rows alone (bitwise
+the full head's: a logit's sum does not depend on which others are computed) and takes the
+argmax among them, the lowest id on ties: the full head's argmax, bit for bit, from a few dozen
+fp32 rows instead of 49152 (8 a row at the median along held-out greedy answers; where logits
+are flat and too many are kept, the full head runs instead).
 
 The bound, per block b of 32 inputs of a row x (amax_b = max |x| there; the 8-bit form rounds
 x_j to da_b * qa_j, da_b = amax_b / 127, |x_j - da_b qa_j| <= da_b / 2 up to fp32 rounding):
-    |approx_v - fp32_v| <= sum_b amax_b * (A_vb * (0.5 / 127 + 2 K 2^-24) + (255 |d_vb| + |m_vb|) 2^-16)
+    |approx_v - fp32_v|
+        <= sum_b amax_b * (A_vb * (0.5 / 127 + 2 K 2^-24) + (255 |d_vb| + |m_vb|) * 2^-16)
 with A_vb = sum_j |w_vbj|: the activations' rounding, then both sums' fp32 accumulation over K
 inputs (K 2^-24 of sum |w x| each), then the fp32 rounding of the 8-bit kernel's block sums
 (integers up to 255 * 127 * 32, scaled by d and offset by m); it is used twice over, so a wrong
@@ -37,9 +39,9 @@ MAX_CANDIDATES = 1024         # more kept tokens (in all rows) than this: the fu
 FLAT_SMOOTHING = 0.1          # weight of a call in the moving share of calls that kept too many;
 SKIP_CALLS = 64               # over half: the next this many calls compute every logit (a screen
 #                               that keeps too many costs its 8-bit pass on top of the full head)
-SCREEN_ROWS = 8               # the most rows screened (here, in ms, for 1 / 2 / 4 / 8 rows: the
-#                               full head 1.27 / 1.30 / 1.54 / 1.98, screened 0.71 / 0.96 / 1.20 /
-#                               1.76; a decode step with its LM head 6.5 ms)
+SCREEN_ROWS = 8               # the most rows screened (in a loop here, in ms, for 1 / 2 / 4 / 8
+#                               rows: the full head 1.27 / 1.30 / 1.54 / 1.98, screened 0.71 / 0.96
+#                               / 1.20 / 1.76; past 8 rows the 8-bit pass gains little)
 
 
 class ScreenedArgmax:
@@ -48,7 +50,7 @@ class ScreenedArgmax:
         blocks = head.blocks
         assert screenable(head), "ScreenedArgmax needs a block-quantized CPU LM head without bias"
         self.head = head
-        self.flat, self.skip = 0.0, 0  # how often the screen kept too many lately; calls left unscreened
+        self.flat, self.skip = 0.0, 0  # share of recent calls that kept too many; calls to skip
         self.weight = head.weight.detach()  # [V, K] fp32: the rows whose fp32 logits are computed
         self.approx = blocks.int8_activations()
         v, k = self.weight.shape
@@ -69,8 +71,9 @@ class ScreenedArgmax:
         bound = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1) @ self.bound  # [R, V]
         floor = (approx - bound).amax(dim=-1, keepdim=True)  # [R, 1] the best sure lower bound
         kept = (approx.add_(bound) >= floor).any(dim=0).nonzero().squeeze(1)  # [C] ascending
-        self.flat += FLAT_SMOOTHING * ((not 0 < len(kept) <= MAX_CANDIDATES) - self.flat)
-        if not 0 < len(kept) <= MAX_CANDIDATES:  # flat (or NaN) logits: every logit
+        flat = not 0 < len(kept) <= MAX_CANDIDATES  # flat (or NaN) logits: every logit
+        self.flat += FLAT_SMOOTHING * (flat - self.flat)
+        if flat:
             self.skip = SKIP_CALLS if self.flat > 0.5 else 0
             return self.head(final).argmax(dim=-1)
         # every row's argmax is among the kept, and no kept token's logit exceeds its row's
