@@ -9,8 +9,8 @@ of --concurrency prompts, run together) goes through every config in turn, seede
 1000 + prompt index) at --temperature: plain sampling (k = 0), rejection-sampled chains (mode
 `rejection`: a seeded request drafts as if alone), mode `auto` (seeded requests coupled,
 drafting by the load), coupled chains of the same length, a coupled 2x2 tree keeping 4 drafts,
-and coupled requests as served (`coupled`, shipped: a 2x2 tree, all 6 of its drafts). Prints tokens/s,
-the speedup over plain sampling and tau per config, and how many outputs equal plain
+and coupled requests as served (`coupled`, shipped: a 2x2 tree, all 6 of its drafts). Prints
+tokens/s, the speedup over plain sampling and tau per config, and how many outputs equal plain
 sampling's (every coupled one, by construction). Each engine first runs the first wave twice,
 unseeded and untimed, so that its measured draft costs are in place (as on a running server).
 """

@@ -139,8 +139,10 @@ class TargetModel:
                 raise ValueError(f"target activations int8: {folder} holds no GGUF block weights "
                                  f"(in float32)")
         self.stack = self.cpu_stack()  # None: hidden_states runs the Python loop
-        # greedy rows' tokens from a few fp32 logits (None: every logit; see cpu_argmax)
-        self.screen = ScreenedArgmax(self.hf.lm_head) if screenable(self.hf.lm_head) else None
+        # greedy rows' tokens from a few fp32 logits (None: every logit; see cpu_argmax; a soft
+        # cap saturates, so capped logits may tie where the raw ones do not)
+        self.screen = (ScreenedArgmax(self.hf.lm_head)
+                       if screenable(self.hf.lm_head) and not self.final_softcap else None)
 
     def fused_linears(self) -> list[nn.Module]:
         """Each layer's fused q/k/v and gate/up linears (not among the HF model's modules)."""
@@ -271,8 +273,8 @@ class TargetModel:
             self.cache.move(*(on(m, self.device, torch.int64) for m in kv_moves))
         final, features = self.hidden_states(batch)
         sampled = sampling.sampled_indices()
-        if (self.screen is not None and ban is None and not self.final_softcap
-                and sampled.numel() == 0 and logit_rows.numel() <= SCREEN_ROWS):  # greedy rows only
+        if (self.screen is not None and ban is None and sampled.numel() == 0
+                and logit_rows.numel() <= SCREEN_ROWS):  # greedy rows only
             return TargetOutput(hidden=features, argmax=self.screen(final[logit_rows]),
                                 probs=torch.zeros((0, self.vocab_size)))
         logits = self._logits(final[logit_rows])  # [R, V]
