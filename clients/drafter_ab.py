@@ -3,7 +3,8 @@ batch) through plain decoding and the default draft policy with each drafter fol
 and its corpus-index.npz if it has one) in turn, greedy.
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
-        --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit]
+        --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit] \\
+        [--kernels-from REV]
 
 Every drafter runs on its own engine over the same target in this process, one group at a time
 through every config (reversed every other group), so drift hits all alike; the speedups are
@@ -13,6 +14,9 @@ drafters, speedup_matrix.py for serving.
 --every-logit adds plain decoding and the first drafter on the same engine with its greedy
 tokens from every logit of the LM head instead of the screened few (eagle_serve.cpu_argmax):
 the same tokens, the screen's gain.
+--kernels-from REV adds plain decoding and the first drafter on the same engine with the layers
+(the decoder stack, eagle_serve.cpu_stack) run by git revision REV's C++ kernels: a kernel
+change's gain on whole requests, where clients/forward_bench.py times single forwards.
 """
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ import argparse
 import time
 
 import torch
+from forward_bench import kernels_at
 from tqdm import tqdm
 
-from eagle_serve import paths
+from eagle_serve import cpu_stack, paths
 from eagle_serve.local import build_local_engine
 from eagle_serve.requests import SamplingParams, acceptance_length
 from eagle_serve.tokenization import encode_prompt
@@ -38,6 +43,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     p.add_argument("--every-logit", action="store_true",
                    help="also plain decoding and the first drafter with every logit computed")
+    p.add_argument("--kernels-from", metavar="REV",
+                   help="also plain decoding and the first drafter on REV's layer kernels")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,8 +56,16 @@ def main(argv=None) -> None:
     if args.every_logit:  # the same engine with its screen off: no difference but the screen
         configs += [("plain, every logit", first, 0), (f"{args.drafters[0]}, every logit", first, None)]
         screens |= dict.fromkeys(name for name, _, _ in configs[-2:])
+    stack_kernels = dict.fromkeys((name for name, _, _ in configs), cpu_stack.cpu_kernels)  # this tree's
+    if args.kernels_from:  # the same engine, its layers on another revision's kernels
+        other = kernels_at(args.kernels_from)
+        configs += [(f"plain, kernels of {args.kernels_from}", first, 0),
+                    (f"{args.drafters[0]}, kernels of {args.kernels_from}", first, None)]
+        screens |= {name: first.target.screen for name, _, _ in configs[-2:]}
+        stack_kernels |= {name: (lambda: other) for name, _, _ in configs[-2:]}
     prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
-    for _, engine, k in configs:  # warm-up, untimed
+    for name, engine, k in configs:  # warm-up, untimed
+        cpu_stack.cpu_kernels = stack_kernels[name]
         engine.generate([prompts[0]], SamplingParams(max_tokens=8, num_speculative_tokens=k))
     totals = {name: {"s": 0.0, "tokens": 0, "rounds": 0, "accepted": 0, "same": 0} for name, _, _ in configs}
     groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
@@ -58,6 +73,7 @@ def main(argv=None) -> None:
         outputs = {}
         for name, engine, k in configs if i % 2 == 0 else configs[::-1]:  # drift hits all alike
             engine.target.screen = screens[name]
+            cpu_stack.cpu_kernels = stack_kernels[name]
             start = time.perf_counter()
             outs = engine.generate(group, SamplingParams(max_tokens=args.max_tokens,
                                                          num_speculative_tokens=k))

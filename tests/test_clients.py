@@ -244,10 +244,11 @@ def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_deco
     out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
                "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
                str(tiny_models["eagle1"]), "--concurrency", concurrency]
-              + ["--every-logit"] * (concurrency == "2"))
+              + ["--every-logit", "--kernels-from", "HEAD"] * (concurrency == "2"))
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
     names = ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]
-    names += ["plain, every logit", f"{tiny_models['eagle3']}, every logit"] * (concurrency == "2")
+    names += ["plain, every logit", f"{tiny_models['eagle3']}, every logit",
+              "plain, kernels of HEAD", f"{tiny_models['eagle3']}, kernels of HEAD"] * (concurrency == "2")
     assert [line.split(": ")[0] for line in lines] == names
     assert all(line.endswith("output = plain 2/2") for line in lines)
