@@ -1,6 +1,7 @@
 """`make gpu-check` without a GPU: it says so, checks every kernel against its reference
 through the interpreter, measures row invariance, and compares plain decoding with the GPU
-config's draft shape on the float64 tiny model (identical outputs required)."""
+config's settings on the float64 tiny model, greedy and seeded sampled requests alone and
+greedy ones 4 at a time (identical outputs required)."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,9 @@ def test_gpu_check_runs_its_cpu_parts_and_passes(tiny_models, capsys):
     assert code == 0, out
     assert "no GPU" in out and "skipped (nothing to compile on CPU)" in out
     assert out.count(" ok") == 9 and "FAIL" not in out
-    assert "outputs identical to k=0: 2/2" in out
+    for case in ("greedy, 1 stream", "temperature 0.7, 1 stream", "greedy, 4 streams"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(case))
+        assert line.endswith("outputs identical to k=0: 2/2"), line  # coupled sampling too
     assert "attention: 1 query alone vs beside 20 (another tile)" in out
     assert out.rstrip().endswith("gpu-check: passed")
 
