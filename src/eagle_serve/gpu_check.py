@@ -27,6 +27,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -170,38 +171,44 @@ CASES = (("greedy, 1 stream", 0.0, 1), ("temperature 0.7, 1 stream", 0.7, 1),
          ("greedy, 4 streams", 0.0, 4))  # (name, temperature, requests at a time)
 
 
-def engine_comparison(engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Per case of CASES: plain decoding and the default, each group of prompts through both in
-    turn (reversed every other group, so drift hits both alike) -> {case: {"plain" / "default":
-    (tokens/s, tau), "same": outputs equal to plain's, "exact": whether they must be}}"""
+@dataclass
+class Comparison:
+    """One case of step 4: plain decoding against the default over the same prompts."""
+    plain: float = 0.0     # tokens/s
+    default: float = 0.0   # tokens/s
+    tau: float = 0.0       # the default's tokens per verify round
+    same: int = 0          # outputs equal to plain decoding's
+    exact: bool = True     # whether they must be (greedy, coupled sampling)
+
+
+def engine_comparison(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Comparison]:
+    """Per case of CASES: each group of prompts through plain decoding and the default in turn
+    (reversed every other group, so drift hits both alike)."""
     results = {}
     for case, temperature, concurrency in CASES:
         groups = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
-
-        def params(k, group):
-            seeded = dict(temperature=temperature, seed=1000 + group, ignore_eos=True)
-            return SamplingParams(max_tokens=max_tokens, num_speculative_tokens=k,
-                                  **(seeded if temperature else {}))
-        for k in (0, None):  # untimed: first-call costs
-            engine.generate(groups[0], params(k, 0))
-        totals = {name: [0.0, 0, 0, 0] for name in ("plain", "default")}  # s, tokens, rounds, accepted
-        same = 0
+        sampled = dict(temperature=temperature, ignore_eos=True) if temperature else {}
+        params = [[SamplingParams(max_tokens=max_tokens, num_speculative_tokens=k,
+                                  **(sampled | {"seed": 1000 + i} if sampled else {}))
+                   for k in (0, None)] for i in range(len(groups))]  # [group][plain, default]
+        for p in params[0]:  # untimed: first-call costs
+            engine.generate(groups[0], p)
+        seconds, tokens, outputs = [0.0, 0.0], [0, 0], [[], []]
+        rounds = accepted = 0
         for i, group in enumerate(groups):
-            modes = (("plain", 0), ("default", None))
-            outputs = {}
-            for name, k in modes if i % 2 == 0 else modes[::-1]:
+            for m in (0, 1) if i % 2 == 0 else (1, 0):
                 start = time.perf_counter()
-                done = engine.generate(group, params(k, i))
-                t = totals[name]
-                t[0] += time.perf_counter() - start
-                t[1] += sum(len(out.token_ids) for out in done)
-                t[2] += sum(out.last.num_rounds for out in done)
-                t[3] += sum(out.last.num_accepted_tokens for out in done)
-                outputs[name] = [out.token_ids for out in done]
-            same += sum(a == b for a, b in zip(outputs["plain"], outputs["default"]))
-        exact = not temperature or engine.policy.coupled(params(None, 0))
-        results[case] = {name: (t[1] / t[0], acceptance_length(t[3], t[2])) for name, t in totals.items()}
-        results[case] |= {"same": same, "exact": exact}
+                done = engine.generate(group, params[i][m])
+                seconds[m] += time.perf_counter() - start
+                tokens[m] += sum(len(out.token_ids) for out in done)
+                outputs[m] += [out.token_ids for out in done]
+                if m:
+                    rounds += sum(out.last.num_rounds for out in done)
+                    accepted += sum(out.last.num_accepted_tokens for out in done)
+        results[case] = Comparison(
+            plain=tokens[0] / seconds[0], default=tokens[1] / seconds[1],
+            tau=acceptance_length(accepted, rounds), same=sum(a == b for a, b in zip(*outputs)),
+            exact=not temperature or engine.policy.coupled(params[0][1]))
     return results
 
 
@@ -254,11 +261,10 @@ def main(argv: list[str] | None = None) -> int:
           f"(k={settings.num_speculative_tokens}, topk {settings.draft_topk}, depth "
           f"{settings.draft_depth}) in turn:")
     for case, r in results.items():
-        (plain, _), (default, tau) = r["plain"], r["default"]
-        print(f"   {case:26s} k=0 {plain:7.1f} tokens/s, default {default:7.1f} ({default / plain:.2f}x, "
-              f"tau {tau:.2f}), outputs identical to k=0: {r['same']}/{len(prompts)}"
-              + ("" if r["exact"] else " (rejection-sampled: need not be)"))
-        if args.require_identical and r["exact"] and r["same"] < len(prompts):
+        print(f"   {case:26s} k=0 {r.plain:7.1f} tokens/s, default {r.default:7.1f} "
+              f"({r.default / r.plain:.2f}x, tau {r.tau:.2f}), outputs identical to k=0: "
+              f"{r.same}/{len(prompts)}" + ("" if r.exact else " (rejection-sampled: need not be)"))
+        if args.require_identical and r.exact and r.same < len(prompts):
             failures += 1
     print("5. kernels compiled during the engine runs:",
           "n/a (interpreter)" if before is None else after - before)
