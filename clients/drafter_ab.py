@@ -22,15 +22,36 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from forward_bench import kernels_at
 from tqdm import tqdm
 
 from eagle_serve import cpu_stack, paths
+from eagle_serve.cpu_argmax import ScreenedArgmax
+from eagle_serve.engine import Engine
 from eagle_serve.local import build_local_engine
 from eagle_serve.requests import SamplingParams, acceptance_length
 from eagle_serve.tokenization import encode_prompt
+
+
+@dataclass(frozen=True)
+class Config:
+    """One column of the comparison: an engine, its k (0: plain decoding, None: its default),
+    its LM-head screen (None: every logit) and the kernels its layers run on."""
+    name: str
+    engine: Engine
+    k: int | None
+    screen: ScreenedArgmax | None
+    kernels: Callable
+
+    def generate(self, group: list[list[int]], max_tokens: int):
+        self.engine.target.screen = self.screen
+        cpu_stack.cpu_kernels = self.kernels
+        return self.engine.generate(group, SamplingParams(max_tokens=max_tokens,
+                                                          num_speculative_tokens=self.k))
 
 
 def main(argv=None) -> None:
@@ -51,38 +72,32 @@ def main(argv=None) -> None:
     target = paths.resolve_model_path(args.target)
     engines = {d: build_local_engine(target, d) for d in args.drafters}
     first = next(iter(engines.values()))
-    configs = [("plain", first, 0)] + [(d, e, None) for d, e in engines.items()]
-    screens = {name: engine.target.screen for name, engine, _ in configs}  # the engine's own
+    this_tree = cpu_stack.cpu_kernels
+    configs = [Config("plain", first, 0, first.target.screen, this_tree)]
+    configs += [Config(d, e, None, e.target.screen, this_tree) for d, e in engines.items()]
+    same_engine = [("plain", 0), (args.drafters[0], None)]
     if args.every_logit:  # the same engine with its screen off: no difference but the screen
-        configs += [("plain, every logit", first, 0), (f"{args.drafters[0]}, every logit", first, None)]
-        screens |= dict.fromkeys(name for name, _, _ in configs[-2:])
-    stack_kernels = dict.fromkeys((name for name, _, _ in configs), cpu_stack.cpu_kernels)  # this tree's
+        configs += [Config(f"{n}, every logit", first, k, None, this_tree) for n, k in same_engine]
     if args.kernels_from:  # the same engine, its layers on another revision's kernels
         other = kernels_at(args.kernels_from)
-        configs += [(f"plain, kernels of {args.kernels_from}", first, 0),
-                    (f"{args.drafters[0]}, kernels of {args.kernels_from}", first, None)]
-        screens |= {name: first.target.screen for name, _, _ in configs[-2:]}
-        stack_kernels |= {name: (lambda: other) for name, _, _ in configs[-2:]}
+        configs += [Config(f"{n}, kernels of {args.kernels_from}", first, k, first.target.screen,
+                           lambda: other) for n, k in same_engine]
     prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
-    for name, engine, k in configs:  # warm-up, untimed
-        cpu_stack.cpu_kernels = stack_kernels[name]
-        engine.generate([prompts[0]], SamplingParams(max_tokens=8, num_speculative_tokens=k))
-    totals = {name: {"s": 0.0, "tokens": 0, "rounds": 0, "accepted": 0, "same": 0} for name, _, _ in configs}
+    for c in configs:  # warm-up, untimed
+        c.generate([prompts[0]], 8)
+    totals = {c.name: {"s": 0.0, "tokens": 0, "rounds": 0, "accepted": 0, "same": 0} for c in configs}
     groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
     for i, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
         outputs = {}
-        for name, engine, k in configs if i % 2 == 0 else configs[::-1]:  # drift hits all alike
-            engine.target.screen = screens[name]
-            cpu_stack.cpu_kernels = stack_kernels[name]
+        for c in configs if i % 2 == 0 else configs[::-1]:  # drift hits all alike
             start = time.perf_counter()
-            outs = engine.generate(group, SamplingParams(max_tokens=args.max_tokens,
-                                                         num_speculative_tokens=k))
-            t = totals[name]
+            outs = c.generate(group, args.max_tokens)
+            t = totals[c.name]
             t["s"] += time.perf_counter() - start
             t["tokens"] += sum(len(out.token_ids) for out in outs)
             t["rounds"] += sum(out.last.num_rounds for out in outs)
             t["accepted"] += sum(out.last.num_accepted_tokens for out in outs)
-            outputs[name] = [out.token_ids for out in outs]
+            outputs[c.name] = [out.token_ids for out in outs]
         for name in totals:
             totals[name]["same"] += sum(a == b for a, b in zip(outputs[name], outputs["plain"]))
     base = totals["plain"]["tokens"] / totals["plain"]["s"]
