@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 namespace {
 
@@ -312,10 +311,15 @@ torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, cons
               slot_mapping.scalar_type() == torch::kInt64 && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(1) == Hkv &&
               k_cache.size(2) == D && k_cache.sizes() == v_cache.sizes(), "rope_write_kv: shapes");
-  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  // q, k, v are read in place where each row's heads lie densely (views of one fused q/k/v
+  // projection of several rows are not contiguous): no copies
+  auto rows = [](const torch::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const auto qc = rows(q), kc = rows(k), vc = rows(v);
+  const int64_t q_row = qc.stride(0), k_row = kc.stride(0), v_row = vc.stride(0);
   const auto cc = cos.contiguous(), sc = sin.contiguous(), slots = slot_mapping.contiguous();
-  auto q_out = torch::empty_like(qc);
-  std::vector<float> k_rot(Hkv * D);
+  auto q_out = torch::empty({T, Hq, D}, q.options());
   const int64_t half = R / 2, num_slots = k_cache.size(0);
   auto rotate = [&](const float* x, float* o, const float* c, const float* s) {
     for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + (-x[i + half]) * s[i];
@@ -326,14 +330,14 @@ torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, cons
     const float* c = cc.data_ptr<float>() + t * R;
     const float* s = sc.data_ptr<float>() + t * R;
     for (int64_t h = 0; h < Hq; ++h)
-      rotate(qc.data_ptr<float>() + (t * Hq + h) * D, q_out.data_ptr<float>() + (t * Hq + h) * D, c, s);
+      rotate(qc.data_ptr<float>() + t * q_row + h * D, q_out.data_ptr<float>() + (t * Hq + h) * D, c, s);
     const int64_t slot = slots.data_ptr<int64_t>()[t];
     if (slot < 0) continue;
     TORCH_CHECK(slot < num_slots, "rope_write_kv: slot ", slot, " outside the cache");
+    float* k_slot = k_cache.data_ptr<float>() + slot * Hkv * D;  // rotated straight into the cache
     for (int64_t h = 0; h < Hkv; ++h)
-      rotate(kc.data_ptr<float>() + (t * Hkv + h) * D, k_rot.data() + h * D, c, s);
-    std::copy(k_rot.begin(), k_rot.end(), k_cache.data_ptr<float>() + slot * Hkv * D);
-    const float* vt = vc.data_ptr<float>() + t * Hkv * D;
+      rotate(kc.data_ptr<float>() + t * k_row + h * D, k_slot + h * D, c, s);
+    const float* vt = vc.data_ptr<float>() + t * v_row;
     std::copy(vt, vt + Hkv * D, v_cache.data_ptr<float>() + slot * Hkv * D);
   }
   return q_out;
