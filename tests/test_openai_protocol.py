@@ -20,6 +20,7 @@ def test_request_fields_become_spec_decode_inputs():
     assert params.stop == ["END"] and params.seed == 2 ** 64 - 1
     assert (params.temperature, params.draft_topk, params.top_p) == (0.5, 2, None)
     assert chat_request(stop=["a", "b"]).params().stop == ["a", "b"]
+    assert chat_request(min_tokens=3).params().min_tokens == 3 and chat_request().params().min_tokens is None
 
 
 @pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("presence_penalty", 0.5),
@@ -48,6 +49,7 @@ def test_a_completion_takes_one_prompt():
     ("Stub process 'spec_decode_0_0' is not healthy.", 503, None),
     ("engine error: boom", 500, None),
     ("top_p must be in (0, 1], got 1.5", 400, "top_p"),
+    ("min_tokens must be in [0, max_tokens = 8], got 9", 400, "min_tokens"),
     ("prompt (30 tokens) + max_tokens (3000) exceeds max_model_len (2048)", 400, None),
 ])
 def test_spec_decode_errors_map_to_http_statuses(message, status, param):

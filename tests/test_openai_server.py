@@ -187,6 +187,9 @@ def test_stop_strings_end_the_text_before_them(api, tiny, tokenizer):
         text, chunks = streamed_chat(api, user(PROMPT), max_tokens=30, stop=value,
                                      extra_body={"ignore_eos": True})
         assert text == expected and chunks[-1].choices[0].finish_reason == "stop"
+    # min_tokens (an extension, as vLLM's): no stop string ends the output before it
+    held = chat(api, user(PROMPT), max_tokens=30, stop=stop, extra_body={"ignore_eos": True, "min_tokens": 10})
+    assert held.usage.completion_tokens >= 10 and held.choices[0].message.content.startswith(expected + stop)
 
 
 def test_the_same_seed_gives_the_same_text_at_temperature_above_zero(api):

@@ -21,7 +21,7 @@ UNSUPPORTED = {
     "logprobs": (False, 0), "top_logprobs": (0,), "prompt_logprobs": (0,), "logit_bias": ({},),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},), "best_of": (1,),
-    "echo": (False,), "suffix": ("",), "min_tokens": (0,)}
+    "echo": (False,), "suffix": ("",)}
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # spec_decode -> OpenAI
 
 
@@ -47,8 +47,9 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """What chat and completion requests share; the speculative knobs and top_k/ignore_eos
-    are extensions (the `extra_body` of the openai client)."""
+    """What chat and completion requests share; the speculative knobs, top_k, ignore_eos and
+    min_tokens (vLLM's: no EOS or stop string ends the output before it) are extensions (the
+    `extra_body` of the openai client)."""
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -64,6 +65,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None                      # accepted and ignored
     top_k: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
     num_speculative_tokens: int | None = Field(None, ge=0)
     draft_topk: int | None = Field(None, ge=1)
     draft_depth: int | None = Field(None, ge=1)
@@ -89,8 +91,8 @@ class SamplingRequest(BaseModel):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=None if self.seed is None else self.seed % 2 ** 64,
             num_speculative_tokens=self.num_speculative_tokens, draft_topk=self.draft_topk,
-            draft_depth=self.draft_depth, ignore_eos=self.ignore_eos, stop=stop,
-            context_lookup=self.context_lookup, corpus_lookup=self.corpus_lookup)
+            draft_depth=self.draft_depth, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            stop=stop, context_lookup=self.context_lookup, corpus_lookup=self.corpus_lookup)
 
 
 class TextPart(BaseModel):
@@ -136,6 +138,7 @@ class GenerateParams:
     draft_topk: int | None = None
     draft_depth: int | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None
     stop: list[str] = ()
     context_lookup: bool | None = None
     corpus_lookup: bool | None = None
