@@ -356,4 +356,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_stack", &decoder_stack, "a Llama-like layer stack in one call (cpu_stack.cpp)");
   m.def("keyed_uniforms", &keyed_uniforms, "each key's uniforms (cpu_random.cpp)");
   m.def("race", &race, "each row's exponential race with its key's noise (cpu_random.cpp)");
+  m.def("corpus_walk", &corpus_walk, "the corpus lookup's walk (cpu_lookup.cpp)");
 }

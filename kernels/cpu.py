@@ -9,7 +9,8 @@ sequence whatever the other rows and threads, so a verify row gets its decode st
 construction (no library offers that on CPU: MKL and oneDNN choose their kernel by row count,
 SDPA by shape). cpu_stack.cpp strings them, and the ATen ops between them, into a Llama-like
 layer stack in one call (eagle_serve.cpu_stack); cpu_random.cpp draws kernels.sampling's keyed
-noise and runs its exponential race in one pass. Compiled once per machine by
+noise and runs its exponential race in one pass; cpu_lookup.cpp walks eagle_serve.lookup's
+corpus index. Compiled once per machine by
 torch.utils.cpp_extension into torch's extension cache (TORCH_EXTENSIONS_DIR; `make setup` does
 it, about a minute), loaded from there after; on CPUs with AVX512F/DQ built for AVX-512 (unless
 EAGLE_CPU_ISA=avx2), whose linears sum 16 lanes at a time (other bits than the AVX2 build's,
@@ -53,7 +54,8 @@ def cpu_kernels():
         return None
 
 
-SOURCES = ("cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp")
+SOURCES = ("cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp",
+           "cpu_lookup.cpp")
 
 
 def build(folder: Path, suffix: str = ""):

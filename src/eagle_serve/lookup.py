@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import gzip
 import hashlib
 import json
@@ -138,14 +139,38 @@ class CorpusIndex:
         """What the occurrences of the longest matching suffix of `tokens` continue with, token
         by token: the most frequent next token of the occurrences still on the path (ties to
         the lowest id), while the product of the steps' shares stays >= min_prob."""
-        match, lo, hi = self._match(tokens[-self.max_match:])
-        if match == 0:
+        ctx, kernel = tokens[-self.max_match:], self._kernel()
+        walk = kernel(ctx, limit, min_prob, VOTE_CAP) if kernel else self.walk(ctx, limit, min_prob)
+        match, out, agreeing, totals = walk
+        if not out:
             return None
+        return Proposal(out, CORPUS, tuple(corpus_strength(match + i, a, t)
+                                           for i, (a, t) in enumerate(zip(agreeing, totals))))
+
+    @functools.cache
+    def _kernel(self):
+        """The same walk in C++ (kernels/cpu_lookup.cpp) over this index, or None where the CPU
+        kernels do not run. Imported here: clients read corpora without torch."""
+        from kernels.cpu import cpu_kernels
+        kernels = cpu_kernels()
+        if kernels is None:
+            return None
+        import torch
+        reverse = torch.from_numpy(np.ascontiguousarray(self.reverse))
+        suffixes = torch.from_numpy(self.suffixes.astype(np.int32, copy=False))
+        return functools.partial(kernels.corpus_walk, reverse, suffixes)
+
+    def walk(self, ctx: list[int], limit: int, min_prob: float) -> tuple[int, list, list, list]:
+        """propose's reference -> (match length, tokens, agreeing occurrences of each step, its
+        occurrences)."""
+        match, lo, hi = self._match(ctx)
+        if match == 0:
+            return 0, [], [], []
         rev = self._rev
         # the token after the occurrence that suffix s starts is reverse[s - 1], the next one
         # reverse[s - 2], ...: a record's first token is never a suffix's start (SEPARATOR is)
         places = [s - 1 for s in self._sa[lo:hi:-(-(hi - lo) // VOTE_CAP)]]
-        out, strengths, prob = [], [], 1.0
+        out, agreeing_, totals, prob = [], [], [], 1.0
         while len(out) < limit:
             nexts = [rev[r] for r in places]
             counts = Counter(t for t in nexts if t != SEPARATOR)
@@ -157,9 +182,10 @@ class CorpusIndex:
             if prob < min_prob:
                 break
             out.append(token)
-            strengths.append(corpus_strength(match + len(out) - 1, agreeing, total))
+            agreeing_.append(agreeing)
+            totals.append(total)
             places = [r - 1 for r, t in zip(places, nexts) if t == token]
-        return Proposal(out, CORPUS, tuple(strengths)) if out else None
+        return match, out, agreeing_, totals
 
     def _match(self, ctx: list[int]) -> tuple[int, int, int]:
         """-> (n, lo, hi): the longest suffix of ctx that occurs in the corpus is n tokens long

@@ -18,6 +18,7 @@ from eagle_serve.lookup import (CONTEXT, CORPUS, MAX_MATCH, VOTE_CAP, ContextInd
 from eagle_serve.lookup_scores import MAX_PLACE, PRIOR_RATE, LookupKey, LookupScores
 from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import tiny_engine
+from kernels.cpu import cpu_kernels
 
 MAX_TOKENS = 40
 
@@ -82,7 +83,17 @@ def brute_force_corpus(sequences, tokens: list[int], limit: int, min_prob: float
     return Proposal(out, CORPUS, tuple(strengths)) if out else None
 
 
-def test_corpus_lookup_equals_a_brute_force_search_on_random_corpora(monkeypatch):
+@pytest.fixture(params=["c++", "python"])
+def walk_in(request, monkeypatch):
+    """Corpus lookups walk in kernels/cpu_lookup.cpp, or in CorpusIndex.walk (its reference)."""
+    if request.param == "python":
+        monkeypatch.setattr(CorpusIndex, "_kernel", lambda self: None)
+    elif cpu_kernels() is None:
+        pytest.skip("the CPU kernels run on CPUs with AVX2 and FMA")
+    return request.param
+
+
+def test_corpus_lookup_equals_a_brute_force_search_on_random_corpora(monkeypatch, walk_in):
     monkeypatch.setattr(lookup, "VOTE_CAP", 10**9)  # every occurrence votes, as in the brute force
     rng = random.Random(3)
     for trial in range(12):
@@ -101,7 +112,7 @@ def test_corpus_lookup_equals_a_brute_force_search_on_random_corpora(monkeypatch
                 sequences, tokens, limit, min_prob), (trial, tokens)
 
 
-def test_a_corpus_walk_follows_the_longest_match_while_its_probability_holds():
+def test_a_corpus_walk_follows_the_longest_match_while_its_probability_holds(walk_in):
     sequences = [([], [1, 2, 3, 4, 5])] * 3 + [([], [2, 3, 9])]
     index = CorpusIndex.build(sequences, vocab_size=16, fingerprint="x")
     # (1, 2) occurs three times, always followed by 3, 4, 5; the walk stops at a record's end
@@ -116,7 +127,7 @@ def test_a_corpus_walk_follows_the_longest_match_while_its_probability_holds():
     assert index.propose([6], 4, min_prob=0.0) is None
 
 
-def test_a_context_with_many_occurrences_votes_over_evenly_spaced_ones():
+def test_a_context_with_many_occurrences_votes_over_evenly_spaced_ones(walk_in):
     sequences = [([], [7, 1, 5])] * 600 + [([], [7, 2, 5])] * 300
     proposal = CorpusIndex.build(sequences, vocab_size=16, fingerprint="x").propose([7], 2, 0.0)
     assert proposal.tokens == [1, 5]
