@@ -6,6 +6,10 @@
 
 Each case runs speedup_curve.measure: the prompts go in groups of the case's concurrency, each
 group through every config in turn (reversed every other group), so drift hits every config alike.
+A case of several streams runs the prompts as many times over as makes at least MIN_GROUPS groups
+(20 prompts: 2 passes at 4 streams, 4 at 8): with the 3 groups of one pass at 8 streams, plain
+decoding against a server drafting nothing measured 0.89x once, the order of the configs
+unbalanced and a drifting 2-core machine's few minutes in each.
 Sampled requests carry no seed unless --seeded, and ignore EOS: their outputs differ by config,
 and a group of streams runs as long as its longest one, so a config whose other streams happened
 to stop early would seem slower for doing less work (plain decoding against a server drafting
@@ -26,6 +30,15 @@ from speedup_curve import measure  # this script's folder is on sys.path
 TEMPERATURES = (0.0, 0.7)
 CONCURRENCY = (1, 4, 8)
 MAX_TOKENS = (64, 128)
+MIN_GROUPS = 10  # groups of concurrent prompts per case (an even number balances the order)
+
+
+def case_prompts(prompts: list[str], concurrency: int) -> list[str]:
+    """The prompts of a case: as many passes over them as make MIN_GROUPS groups of
+    `concurrency` (one pass for a single stream, whose groups are the prompts)."""
+    if concurrency == 1:
+        return prompts
+    return prompts * -(-MIN_GROUPS * concurrency // len(prompts))
 
 
 def case_name(temperature: float, concurrency: int, max_tokens: int) -> str:
@@ -90,8 +103,8 @@ def main(argv=None) -> None:
         name = case_name(temperature, concurrency, max_tokens)
         print(name, flush=True)
         sampling = {"temperature": temperature} if temperature else None
-        r = measure(args.url, prompts, args.configs, max_tokens, args.model, concurrency, sampling,
-                    args.seeded, ignore_eos=bool(temperature))
+        r = measure(args.url, case_prompts(prompts, concurrency), args.configs, max_tokens, args.model,
+                    concurrency, sampling, args.seeded, ignore_eos=bool(temperature))
         results[name] = {**r, "temperature": temperature, "concurrency": concurrency,
                          "max_tokens": max_tokens, "seeded": bool(temperature and args.seeded),
                          "ignore_eos": bool(temperature)}

@@ -107,10 +107,13 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_le
     assert got.returncode == 0, got.stderr[-3000:]
     cases = json.loads(out.read_text())
     assert len(cases) == 4 and all(c["default"]["tokens_per_s"] > 0 for c in cases.values())
+    requests = {1: 2, 2: 20}  # 2 streams: the prompts 10 times over, 10 groups (MIN_GROUPS)
     greedy = [c for c in cases.values() if not c["temperature"]]
-    assert all(c["default"]["same_as_first"] == c["default"]["requests"] == 2 for c in greedy)
+    assert all(c["default"]["same_as_first"] == c["default"]["requests"] == requests[c["concurrency"]]
+               for c in greedy)
     sampled = [c for c in cases.values() if c["temperature"]]
-    assert all(c[k]["tokens"] == 2 * 8 for c in sampled for k in ("0", "default"))  # EOS ignored
+    assert all(c[k]["tokens"] == requests[c["concurrency"]] * 8
+               for c in sampled for k in ("0", "default"))  # EOS ignored
     assert "| greedy, 2 streams, 8 tokens |" in got.stdout and png.stat().st_size > 10_000
 
 
