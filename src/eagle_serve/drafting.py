@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagle_serve.costs import MeasuredCosts
-from eagle_serve.lookup import ContextIndex, CorpusIndex
+from eagle_serve.lookup import CONTEXT_MIN_MATCH, CORPUS_MIN_PROB, ContextIndex, CorpusIndex
 from eagle_serve.lookup_scores import LookupKey, LookupScores
 from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
@@ -57,10 +57,6 @@ class RoundShape:
     expand_prob: float    # draft a level deeper only under a draft this likely (0 = off)
 
 
-# A corpus continuation is proposed while the product of its steps' empirical shares stays at
-# least this; a context match needs at least CONTEXT_MIN_MATCH tokens.
-CORPUS_MIN_PROB = 0.2
-CONTEXT_MIN_MATCH = 2
 # A request's acceptance estimate starts at ACCEPT_PRIOR, counted as PRIOR_WEIGHT reached drafts
 # (a prior from the server's acceptance of the same kind of drafts ran sampled requests alone at
 # 1.10x plain against 1.12x with this one, greedy alike, in process, alternating per prompt);

@@ -92,6 +92,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
 SEPARATOR = -1        # between the corpus's records: no match crosses it
 MAX_MATCH = 32        # the longest suffix of a request's tokens a corpus lookup matches
 VOTE_CAP = 64        # occurrences a step's vote reads at most (evenly spaced in the range)
+# What the server drafts from: a corpus continuation while the product of its steps' shares
+# stays at least CORPUS_MIN_PROB; a context match of at least CONTEXT_MIN_MATCH tokens.
+CORPUS_MIN_PROB = 0.2
+CONTEXT_MIN_MATCH = 2
 
 
 def corpus_strength(match: int, agreeing: int, total: int) -> int:
@@ -324,7 +328,6 @@ def main(argv=None) -> None:
     from eagle_serve.tokenization import load_tokenizer
     tokenizer = load_tokenizer(paths.resolve_model_path(args.target, Path.cwd()))
     if args.command == "eval":
-        from eagle_serve.drafting import CORPUS_MIN_PROB
         corpus = load_corpus_index(args.index, tokenizer) if args.index else None
         report = lookup_accuracy(read_corpus(args.answers), corpus, args.limit, CORPUS_MIN_PROB)
         print(json.dumps(report, indent=2))
