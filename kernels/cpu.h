@@ -46,9 +46,9 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const torch::Tensor& f
                                          double eps, double scale, double softcap,
                                          const std::vector<int64_t>& feature_layers);
 torch::Tensor keyed_uniforms(const torch::Tensor& keys, int64_t n);
+torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& keys);
 // (match length, tokens, agreeing occurrences and occurrences of each step): cpu_lookup.cpp
 using CorpusWalk = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
 CorpusWalk corpus_walk(const torch::Tensor& reverse, const torch::Tensor& suffixes,
                        const std::vector<int64_t>& ctx, int64_t limit, double min_prob,
                        int64_t vote_cap);
-torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& keys);

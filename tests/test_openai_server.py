@@ -176,7 +176,7 @@ def test_completions_send_the_raw_prompt_streamed_or_not(api, tiny):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
-def test_stop_strings_end_the_text_before_them(api, tiny, tokenizer):
+def test_stop_strings_end_the_text_before_them_but_not_before_min_tokens(api, tiny, tokenizer):
     full = grpc_generate(tiny.grpc_url, PROMPT, max_tokens=30, ignore_eos=True)
     stop = decode(tokenizer, full.output_ids[6:8])
     expected = decode(tokenizer, full.output_ids[:6])

@@ -143,7 +143,7 @@ class CorpusIndex:
         """What the occurrences of the longest matching suffix of `tokens` continue with, token
         by token: the most frequent next token of the occurrences still on the path (ties to
         the lowest id), while the product of the steps' shares stays >= min_prob."""
-        ctx, kernel = tokens[-self.max_match:], self._kernel()
+        ctx, kernel = tokens[-self.max_match:], self._kernel
         walk = kernel(ctx, limit, min_prob, VOTE_CAP) if kernel else self.walk(ctx, limit, min_prob)
         match, out, agreeing, totals = walk
         if not out:
@@ -151,7 +151,7 @@ class CorpusIndex:
         return Proposal(out, CORPUS, tuple(corpus_strength(match + i, a, t)
                                            for i, (a, t) in enumerate(zip(agreeing, totals))))
 
-    @functools.cache
+    @functools.cached_property
     def _kernel(self):
         """The same walk in C++ (kernels/cpu_lookup.cpp) over this index, or None where the CPU
         kernels do not run. Imported here: clients read corpora without torch."""
@@ -174,22 +174,22 @@ class CorpusIndex:
         # the token after the occurrence that suffix s starts is reverse[s - 1], the next one
         # reverse[s - 2], ...: a record's first token is never a suffix's start (SEPARATOR is)
         places = [s - 1 for s in self._sa[lo:hi:-(-(hi - lo) // VOTE_CAP)]]
-        out, agreeing_, totals, prob = [], [], [], 1.0
+        out, agreeing, totals, prob = [], [], [], 1.0
         while len(out) < limit:
             nexts = [rev[r] for r in places]
             counts = Counter(t for t in nexts if t != SEPARATOR)
             if not counts:
                 break
-            token, agreeing = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
+            token, votes = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
             total = sum(counts.values())
-            prob *= agreeing / total
+            prob *= votes / total
             if prob < min_prob:
                 break
             out.append(token)
-            agreeing_.append(agreeing)
+            agreeing.append(votes)
             totals.append(total)
             places = [r - 1 for r, t in zip(places, nexts) if t == token]
-        return match, out, agreeing_, totals
+        return match, out, agreeing, totals
 
     def _match(self, ctx: list[int]) -> tuple[int, int, int]:
         """-> (n, lo, hi): the longest suffix of ctx that occurs in the corpus is n tokens long

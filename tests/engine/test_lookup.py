@@ -87,7 +87,7 @@ def brute_force_corpus(sequences, tokens: list[int], limit: int, min_prob: float
 def walk_in(request, monkeypatch):
     """Corpus lookups walk in kernels/cpu_lookup.cpp, or in CorpusIndex.walk (its reference)."""
     if request.param == "python":
-        monkeypatch.setattr(CorpusIndex, "_kernel", lambda self: None)
+        monkeypatch.setattr(CorpusIndex, "_kernel", None)
     elif cpu_kernels() is None:
         pytest.skip("the CPU kernels run on CPUs with AVX2 and FMA")
     return request.param
