@@ -42,9 +42,33 @@ inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
 template <typename T>
 inline vec vload_part(const T* p, bool half) { return half ? vload_half(p) : vload(p); }
 
+// p[j] = e^(p[j] - top) for j < L (vexp, kLanes at a time, the last ones masked) -> their sum
+// (kLanes-lane partial sums in key order, then the fixed lane reduction)
+inline float exp_shifted(float* p, int64_t L, float top) {
+  vec sum = vzero();
+  const vec shift = vset1(top);
+  for (int64_t j = 0; j < L; j += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, L - j);
+#ifdef EAGLE_AVX512
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    const vec e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + j), shift));
+    _mm512_mask_storeu_ps(p + j, m, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+#else
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const vec e = _mm256_and_ps(_mm256_castsi256_ps(m), vexp(_mm256_sub_ps(_mm256_maskload_ps(p + j, m), shift)));
+    _mm256_maskstore_ps(p + j, m, e);
+    sum = _mm256_add_ps(sum, e);
+#endif
+  }
+  return vsum(sum);
+}
+
 // C consecutive q heads of one query (q [C, D]) over the keys at slots[0 .. L) of one kv head:
 // out [C, D]. Each head's score for a key is the same kLanes-lane FMA sequence along D and lane
-// sum, its softmax one pass in key order, its output the weighted sum of values in key order
+// sum, its softmax's exponentials by vexp (summed kLanes keys at a time, in key order), its output
+// the weighted sum of values in key order
 // (kLanes-lane FMAs, accumulated in registers over kChunk vectors of D at a time), whichever
 // heads share the call (they share the key and value loads).
 template <int C, typename T>
@@ -54,7 +78,7 @@ void heads_over_keys(const float* q, const T* keys, const T* values, const int64
   constexpr int kChunk = kLanes == 16 ? 4 : 2;  // vectors of D a pass over the values (registers)
   p.resize(C * L);
   float top[C], total[C];
-  for (int c = 0; c < C; ++c) top[c] = -INFINITY, total[c] = 0.0f;
+  for (int c = 0; c < C; ++c) top[c] = -INFINITY;
   for (int64_t j0 = 0; j0 < L; j0 += 2) {  // two keys at a time: 2 C independent sums
     const int64_t nk = std::min<int64_t>(2, L - j0);
     const T* k[2] = {keys + (slots[j0] * Hkv + g) * D, keys + (slots[j0 + nk - 1] * Hkv + g) * D};
@@ -77,8 +101,7 @@ void heads_over_keys(const float* q, const T* keys, const T* values, const int64
         top[c] = std::max(top[c], s);
       }
   }
-  for (int c = 0; c < C; ++c)
-    for (int64_t j = 0; j < L; ++j) total[c] += (p[c * L + j] = std::exp(p[c * L + j] - top[c]));
+  for (int c = 0; c < C; ++c) total[c] = exp_shifted(p.data() + c * L, L, top[c]);
   for (int64_t d0 = 0; d0 < D; d0 += kChunk * kLanes) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, (D - d0 + kLanes - 1) / kLanes));
     vec acc[C][kChunk];

@@ -39,4 +39,34 @@ inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(vec v) { return lane_sum(v); }
 #endif
 
+// e^x lane by lane for x <= 0 (a softmax's shifted scores): Cephes' expf (n = round(x log2 e),
+// r = x - n ln 2 in two steps, a degree-6 polynomial in r, times 2^n), within ~2 ulp of the exact
+// value and 0 below e^-87; one sequence per lane, so every lane of every call computes alike.
+inline vec vexp(vec x) {
+  const auto c = [](float f) { return vset1(f); };
+#ifdef EAGLE_AVX512
+  x = _mm512_max_ps(x, c(-88.0f));
+  const vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, c(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vec tiny = _mm256_cmp_ps(x, c(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, c(-87.0f));
+  const vec n = _mm256_round_ps(_mm256_mul_ps(x, c(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  vec r = vfma(n, c(-0.693359375f), x);
+  r = vfma(n, c(2.12194440e-4f), r);
+  vec p = c(1.9875691500e-4f);
+  for (float k : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = vfma(p, r, c(k));
+#ifdef EAGLE_AVX512
+  p = _mm512_add_ps(vfma(p, _mm512_mul_ps(r, r), r), c(1.0f));
+  return _mm512_scalef_ps(p, n);
+#else
+  p = _mm256_add_ps(vfma(p, _mm256_mul_ps(r, r), r), c(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+#endif
+}
+
 }  // namespace
