@@ -4,7 +4,7 @@ and its corpus-index.npz if it has one) in turn, greedy.
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit] \\
-        [--kernels-from REV]
+        [--kernels-from REV] [--fma-kernels]
 
 Every drafter runs on its own engine over the same target in this process, one group at a time
 through every config (reversed every other group), so drift hits all alike; the speedups are
@@ -17,10 +17,14 @@ the same tokens, the screen's gain.
 --kernels-from REV adds plain decoding and the first drafter on the same engine with the layers
 (the decoder stack, eagle_serve.cpu_stack) run by git revision REV's C++ kernels: a kernel
 change's gain on whole requests, where clients/forward_bench.py times single forwards.
+--fma-kernels adds plain decoding and the first drafter on a second engine whose target runs
+its Q4_1 linears on cpu.cpp's FMA kernels instead of AMX tiles (on CPUs with them,
+kernels/cpu_amx.cpp); its outputs are compared with its own plain decoding's.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,12 +44,14 @@ from eagle_serve.tokenization import encode_prompt
 @dataclass(frozen=True)
 class Config:
     """One column of the comparison: an engine, its k (0: plain decoding, None: its default),
-    its LM-head screen (None: every logit) and the kernels its layers run on."""
+    its LM-head screen (None: every logit), the kernels its layers run on and the config whose
+    outputs its own must equal (plain decoding on the same target arithmetic)."""
     name: str
     engine: Engine
     k: int | None
     screen: ScreenedArgmax | None
     kernels: Callable
+    baseline: str = "plain"
 
     def generate(self, group: list[list[int]], max_tokens: int):
         self.engine.target.screen = self.screen
@@ -66,6 +72,9 @@ def main(argv=None) -> None:
                    help="also plain decoding and the first drafter with every logit computed")
     p.add_argument("--kernels-from", metavar="REV",
                    help="also plain decoding and the first drafter on REV's layer kernels")
+    p.add_argument("--fma-kernels", action="store_true",
+                   help="also plain decoding and the first drafter with the target's Q4_1 linears "
+                        "on the FMA kernels, not AMX tiles")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,6 +91,12 @@ def main(argv=None) -> None:
         other = kernels_at(args.kernels_from)
         configs += [Config(f"{n}, kernels of {args.kernels_from}", first, k, first.target.screen,
                            lambda: other) for n, k in same_engine]
+    if args.fma_kernels:  # another engine: the kernels are chosen as the target loads
+        os.environ["EAGLE_CPU_AMX"] = "0"
+        fma = build_local_engine(target, args.drafters[0])
+        del os.environ["EAGLE_CPU_AMX"]
+        configs += [Config(f"{n}, FMA kernels", fma, k, fma.target.screen, this_tree, "plain, FMA kernels")
+                    for n, k in same_engine]
     prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
     for c in configs:  # warm-up, untimed
         c.generate([prompts[0]], 8)
@@ -98,14 +113,14 @@ def main(argv=None) -> None:
             t["rounds"] += sum(out.last.num_rounds for out in outs)
             t["accepted"] += sum(out.last.num_accepted_tokens for out in outs)
             outputs[c.name] = [out.token_ids for out in outs]
-        for name in totals:
-            totals[name]["same"] += sum(a == b for a, b in zip(outputs[name], outputs["plain"]))
+        for c in configs:
+            totals[c.name]["same"] += sum(a == b for a, b in zip(outputs[c.name], outputs[c.baseline]))
     base = totals["plain"]["tokens"] / totals["plain"]["s"]
     for name, t in totals.items():
         speed = t["tokens"] / t["s"]
         print(f"{name}: {speed:.1f} tokens/s  {speed / base:.2f}x plain  "
               f"tau {acceptance_length(t['accepted'], t['rounds']):.2f}  "
-              f"output = plain {t['same']}/{len(prompts)}")
+              f"output = its plain decoding's {t['same']}/{len(prompts)}")
 
 
 if __name__ == "__main__":

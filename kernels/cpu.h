@@ -30,6 +30,9 @@ torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const 
 extern const bool kI8Vnni;  // linear_i8 runs AVX512-VNNI here (else its AVX2 path)
 torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                         const c10::optional<torch::Tensor>& bias);
+extern const bool kAmx;  // linear_q4_1_amx runs here (AMX-BF16 tiles granted: cpu_amx.cpp)
+torch::Tensor linear_q4_1_amx(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                              const c10::optional<torch::Tensor>& bias);
 torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& cos, const torch::Tensor& sin,
                             const torch::Tensor& k_cache, const torch::Tensor& v_cache,

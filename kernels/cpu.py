@@ -1,6 +1,7 @@
 """Row-invariant C++ kernels for CPUs with AVX2 and FMA (SOURCES): the fp32 linear that
 eagle_serve.cpu_matmul runs (cpu.cpp: on dense weights, or on exact Q4_1/Q8_0 blocks of them:
-see eagle_serve.cpu_quant; cpu_i8.cpp: those blocks on 8-bit activations), the attention of
+see eagle_serve.cpu_quant; cpu_i8.cpp: those blocks on 8-bit activations; cpu_amx.cpp: Q4_1
+blocks on AMX tiles, where the CPU has them), the attention of
 each verify/decode query over exactly its own keys that paged_attention_rowwise runs
 (cpu_attention.cpp), and, for fp32, the RMSNorm of eagle_serve.cpu_norm and
 the RoPE + KV cache write of eagle_serve.paged in one call each (PyTorch runs each as several
@@ -41,6 +42,16 @@ def wide_linears() -> bool:
     return {"avx512f", "avx512dq"} <= cpu_flags() and os.environ.get("EAGLE_CPU_ISA") != "avx2"
 
 
+def amx_tiles() -> bool:
+    """Whether Q4_1 linears run on AMX tiles here (cpu_amx.cpp: fp32 with exact products and
+    another summation order, their cost nearly flat in the row count): the kernels built for
+    AVX-512 on a CPU with AMX-BF16 whose kernel grants the tile state, unless the environment
+    sets EAGLE_CPU_AMX=0 (then cpu.cpp's FMAs run them, with the dense fp32 linear's bits)."""
+    kernels = cpu_kernels()
+    return (kernels is not None and wide_linears() and bool(getattr(kernels, "amx", False))
+            and os.environ.get("EAGLE_CPU_AMX") != "0")
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled SOURCES (`linear`, `attend`, `race`, `linear_i8`, ...), or None where this CPU
@@ -55,7 +66,7 @@ def cpu_kernels():
 
 
 SOURCES = ("cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp",
-           "cpu_lookup.cpp")
+           "cpu_lookup.cpp", "cpu_amx.cpp")
 
 
 def build(folder: Path, suffix: str = ""):

@@ -10,12 +10,14 @@
 namespace {
 
 // a CpuLinear: {weight [N, K], q, scales, bias} (q, scales, bias empty where absent; q uint8:
-// Q4_1, int8: Q8_0, 4-D: packed for 8-bit activations), run as CpuLinear.forward runs it
+// Q4_1, int8: Q8_0, 3-D: Q4_1 packed for AMX tiles, 4-D: packed for 8-bit activations), run as
+// CpuLinear.forward runs it
 torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* lin) {
   const auto& q = lin[1];
   const c10::optional<torch::Tensor> bias =
       lin[3].numel() ? c10::optional<torch::Tensor>(lin[3]) : c10::nullopt;
   if (q.dim() == 4) return ::linear_i8(x, q, lin[2], bias);  // packed for 8-bit activations
+  if (q.dim() == 3) return ::linear_q4_1_amx(x, q, lin[2], bias);  // packed for AMX tiles
   if (q.numel() && x.numel() / x.size(-1) <= kMaxBlockRows)
     return q.scalar_type() == torch::kUInt8 ? ::linear_q4_1(x, q, lin[2], bias)
                                             : ::linear_q8_0(x, q, lin[2], bias);

@@ -247,11 +247,12 @@ def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_deco
     out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
                "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
                str(tiny_models["eagle1"]), "--concurrency", concurrency]
-              + ["--every-logit", "--kernels-from", "HEAD"] * (concurrency == "2"))
+              + ["--every-logit", "--kernels-from", "HEAD", "--fma-kernels"] * (concurrency == "2"))
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
     names = ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]
     names += ["plain, every logit", f"{tiny_models['eagle3']}, every logit",
-              "plain, kernels of HEAD", f"{tiny_models['eagle3']}, kernels of HEAD"] * (concurrency == "2")
+              "plain, kernels of HEAD", f"{tiny_models['eagle3']}, kernels of HEAD",
+              "plain, FMA kernels", f"{tiny_models['eagle3']}, FMA kernels"] * (concurrency == "2")
     assert [line.split(": ")[0] for line in lines] == names
-    assert all(line.endswith("output = plain 2/2") for line in lines)
+    assert all(line.endswith("output = its plain decoding's 2/2") for line in lines)

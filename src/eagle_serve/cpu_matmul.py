@@ -32,7 +32,9 @@ compiler, oneDNN's packed fp32 runs (not row-invariant: float rounding only).
 A GGUF target's fp32 weights are exactly block-quantized values (eagle_serve.cpu_quant): where a
 weight's Q4_1 or Q8_0 blocks are found, cpu.cpp's `linear_q4_1`/`linear_q8_0` run on them, with
 `linear`'s bits from a fifth of the bytes (on AVX2 up to 12 rows, past which the dense weight is
-faster; on AVX-512 any number).
+faster; on AVX-512 any number). On CPUs with AMX tiles a target's Q4_1 blocks run on them
+instead (`use_amx_tiles`, kernels/cpu_amx.cpp): fp32 with exact products in another summation
+order, the cost of a verify row a fraction of the FMA kernels'.
 """
 from __future__ import annotations
 
@@ -179,8 +181,9 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     fused = CpuLinear(fused) if isinstance(parts[0], CpuLinear) else fused
     blocks = [getattr(p, "blocks", None) for p in parts]
     if isinstance(fused, CpuLinear) and all(blocks) and len({b.kind for b in blocks}) == 1:
-        fused.blocks = BlockWeight(blocks[0].kind, torch.cat([b.q for b in blocks]),  # rows apart
-                                   torch.cat([b.scales for b in blocks]))
+        outputs = 1 if blocks[0].kind.endswith("_amx") else 0  # the dim of output groups
+        fused.blocks = BlockWeight(blocks[0].kind, torch.cat([b.q for b in blocks], outputs),  # rows apart
+                                   torch.cat([b.scales for b in blocks], outputs))
     start = 0
     for part, w in zip(parts, weights):
         part.weight = nn.Parameter(fused.weight[start:start + w.shape[0]], requires_grad=False)
@@ -209,6 +212,20 @@ def use_int8_activations(modules) -> int:
     for m in modules:
         if isinstance(m, CpuLinear) and m.blocks is not None and m.out_features % 16 == 0:
             m.blocks = m.blocks.int8_activations()
+            done += 1
+    return done
+
+
+def use_amx_tiles(modules) -> int:
+    """Run every CpuLinear among `modules` that holds Q4_1 blocks (with a multiple of 16
+    outputs) on AMX tiles (cpu_quant.BlockWeight.amx; where kernels.cpu.amx_tiles) -> how many.
+    fp32 still, with exact products: another summation order than the FMA kernels', so not the
+    dense fp32 linear's bits, and rows still invariant."""
+    done = 0
+    for m in modules:
+        if isinstance(m, CpuLinear) and m.blocks is not None and m.blocks.kind == "q4_1" \
+                and m.out_features % 16 == 0:
+            m.blocks = m.blocks.amx()
             done += 1
     return done
 

@@ -47,23 +47,39 @@ class BlockWeight:
     [N, K/32, 2] fp32 (d, m); q8_0: q [N, K] int8, scales [N, K/32] fp32 (d); "q4_1_a8" and
     "q8_0_a8": the same weights packed for 8-bit activations (`int8_activations`):
     q [N/16, K/32, 4 or 8, 64] uint8 (q8_0_a8 without VNNI: int8), scales [N/16, K/32, 2, 16]
-    (cpu_i8.cpp's layout)."""
+    (cpu_i8.cpp's layout); "q4_1_amx": packed for AMX tiles (`amx`): q [K/32, N/16, 256] uint8,
+    scales [K/32, N/16, 2, 16] (cpu_amx.cpp's layout)."""
     kind: str
     q: torch.Tensor
     scales: torch.Tensor
 
     def runs(self, rows: int) -> bool:
         """Whether `linear` takes this many rows (the exact kinds give way to the dense weight
-        past max_block_rows, which gives the same bits; the _a8 kinds run any number, as their
-        arithmetic is their own)."""
-        return self.kind.endswith("_a8") or rows <= max_block_rows()
+        past max_block_rows, which gives the same bits; the _a8 and _amx kinds run any number,
+        as their arithmetic is their own)."""
+        return self.kind.endswith(("_a8", "_amx")) or rows <= max_block_rows()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N]: bitwise the dense fp32 kernel's output, or (the _a8
-        kinds) llama.cpp's arithmetic on x rounded to 8 bits per block of 32"""
+        kinds) llama.cpp's arithmetic on x rounded to 8 bits per block of 32, or (q4_1_amx)
+        fp32 on AMX tiles: exact products, another summation order"""
         k = cpu_kernels()
-        op = {"q4_1": k.linear_q4_1, "q8_0": k.linear_q8_0}.get(self.kind, k.linear_i8)
+        op = {"q4_1": k.linear_q4_1, "q8_0": k.linear_q8_0, "q4_1_amx": k.linear_q4_1_amx}.get(self.kind, k.linear_i8)
         return op(x, self.q, self.scales, bias)
+
+    def amx(self) -> "BlockWeight":
+        """A Q4_1 weight in cpu_amx.cpp's layout (for `kernels.cpu.amx_tiles`): per block and
+        group of 16 outputs, byte 32 c + i holds the weights of output i // 2 at k = 2 c + i % 2
+        (low nibble) and k = 16 + 2 c + i % 2 (high), c = 0..7; scales (d, m) [K/32, N/16, 2, 16]."""
+        n, blocks = self.q.shape[0], self.q.shape[1] // 16
+        if self.kind != "q4_1" or n % 16:
+            raise ValueError(f"AMX tiles take Q4_1 weights of a multiple of 16 outputs, not {self.kind} [{n}, ..]")
+        b = self.q.view(n, blocks, 16)
+        w = torch.stack([b & 15, b >> 4], dim=2)  # [N, B, 2, 16]: the weight at k = 16 h + j
+        w = w.view(n // 16, 16, blocks, 2, 8, 2).permute(2, 0, 4, 1, 5, 3)  # [B, G, c, lane, k % 2, half]
+        q = (w[..., 0] | (w[..., 1] << 4)).reshape(blocks, n // 16, 256)
+        scales = self.scales.view(n // 16, 16, blocks, 2).permute(2, 0, 3, 1)  # [B, G, 2, lane]
+        return BlockWeight("q4_1_amx", q.contiguous(), scales.contiguous())
 
     def int8_activations(self) -> "BlockWeight":
         """The same weights in cpu_i8.cpp's layout: groups of 16 weight rows, per block of 32

@@ -19,8 +19,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle_serve.cpu_argmax import SCREEN_ROWS, ScreenedArgmax, screenable
-from eagle_serve.cpu_matmul import (CpuLinear, find_block_weights, fuse_linears, use_cpu_linears,
-                                    use_int8_activations)
+from eagle_serve.cpu_matmul import (CpuLinear, find_block_weights, fuse_linears, use_amx_tiles,
+                                    use_cpu_linears, use_int8_activations)
 from eagle_serve.cpu_quant import int8_activations_run
 from eagle_serve.cpu_norm import use_cpu_norms
 from eagle_serve.cpu_stack import CpuDecoderStack, StackLayer, StackShape
@@ -28,6 +28,7 @@ from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, Token
 from eagle_serve.paged import PagedKVCache, paged_attention_step
 from eagle_serve.settings import TARGET_ACTIVATIONS
 from kernels import on
+from kernels.cpu import amx_tiles
 from kernels.sampling import compute_probs
 
 
@@ -138,6 +139,8 @@ class TargetModel:
             if not use_int8_activations(self.cpu_linears()):
                 raise ValueError(f"target activations int8: {folder} holds no GGUF block weights "
                                  f"(in float32)")
+        elif self.hf.device.type == "cpu" and amx_tiles():
+            use_amx_tiles(self.cpu_linears())  # fp32 still: verify rows cost a fraction (cpu_amx)
         self.stack = self.cpu_stack()  # None: hidden_states runs the Python loop
         # greedy rows' tokens from a few fp32 logits (None: every logit; see cpu_argmax; a soft
         # cap saturates, so capped logits may tie where the raw ones do not)

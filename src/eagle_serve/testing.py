@@ -299,19 +299,35 @@ def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, d
     return build_local_engine(target_dir, head_dir, dtype=dtype, **{**TEST_ENGINE, **overrides})
 
 
-def q8_0_target(tiny_target: str | Path, folder: str | Path) -> Path:
-    """The tiny target with every linear rounded to Q8_0, in float32 (a GGUF-like target)."""
+def q8_0_target(tiny_target: str | Path, folder: str | Path, rounding=round_to_q8_0) -> Path:
+    """The tiny target with every linear rounded to Q8_0 (or by `rounding`, e.g.
+    round_to_q4_1), in float32 (a GGUF-like target)."""
     folder = Path(folder)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
-                m.weight.copy_(round_to_q8_0(m.weight))
+                m.weight.copy_(rounding(m.weight))
     model.save_pretrained(folder)
     for f in Path(tiny_target).iterdir():
         if "token" in f.name:
             shutil.copy(f, folder / f.name)
     return folder
+
+
+def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] fp32 (K a multiple of 32) -> a near Q4_1 weight as fp32, per block of 32:
+    m = fp16(min), d = fp16((max - m) / 15), q = round((w - m) / d) in 0..15 with the block's
+    smallest weight at 0 and its largest at 15 (as GGUF's quantizer maps them, so that
+    cpu_quant.block_form finds the blocks), w = d * q + m."""
+    n, k = weight.shape
+    b = weight.detach().reshape(n, k // 32, 32)
+    m = b.amin(-1, keepdim=True).to(torch.float16).float()
+    d = ((b.amax(-1, keepdim=True) - m) / 15).to(torch.float16).float()
+    q = ((b - m) / d).round().clamp(0, 15)
+    q.scatter_(-1, b.argmin(-1, keepdim=True), 0.0)
+    q.scatter_(-1, b.argmax(-1, keepdim=True), 15.0)
+    return (d * q + m).reshape(n, k)
 
 
 def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:

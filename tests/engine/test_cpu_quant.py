@@ -103,9 +103,12 @@ def test_fused_gguf_linears_find_their_blocks_and_their_parts_are_not_searched()
         assert torch.equal(fused(x), torch.cat(parts, -1))
 
 
-def test_the_default_gguf_target_runs_every_linear_on_its_blocks_with_unchanged_bits():
+def test_the_default_gguf_target_runs_every_linear_on_its_blocks_with_unchanged_bits(monkeypatch):
+    """(on the FMA kernels: AMX tiles, where the CPU has them, sum in another order:
+    tests/engine/test_amx_tiles.py)"""
     if not (paths.default_target_dir() / "config.json").exists():
         pytest.skip("default model not converted (run make setup)")
+    monkeypatch.setenv("EAGLE_CPU_AMX", "0")
     target = TargetModel(paths.default_target_dir(), num_pages=16, page_size=16)
     running = [target.lm_head] + [m for p, layer in zip(target.layers, target.hf.model.layers)
                                   for m in (p.qkv, p.gate_up, layer.self_attn.o_proj, layer.mlp.down_proj)]
