@@ -1,6 +1,8 @@
 // linear_q4_1_amx: a Q4_1 linear in fp32 on AMX tiles (Intel Xeons from Sapphire Rapids: AMX-TILE
-// and AMX-BF16), its cost nearly flat in the row count up to 10 rows, where cpu.cpp's FMAs grow
-// by one weight pass a row. Every product is exact and the sums are fp32's, so it is fp32 with
+// and AMX-BF16): up to 5 rows cost about one row, each further 5 about half as much again, where
+// cpu.cpp's FMAs grow by about an eighth of a one-row pass a row (the default target's layer
+// linears on a 2-core Xeon: 1 / 5 / 10 / 15 rows 7.0 / 8.2 / 12.6 / 18.6 ms, the FMA kernels
+// 6.9 at 1 row, 13.1 at 8). Every product is exact and the sums are fp32's, so it is fp32 with
 // another summation order (as cpu.cpp's AVX2 and AVX-512 builds are to each other), not a
 // lower precision:
 //   - each fp32 activation splits exactly into three bf16 limbs, x = x1 + x2 + x3 (the top 8,
@@ -13,8 +15,9 @@
 // depend on that row alone, whatever the other rows, the tile it falls in or the thread.
 //
 // Tiles: a row's three limbs are three rows of one A tile, so a tile takes 5 activation rows (15
-// of its 16 rows) and one TDPBF16PS per block and 16 outputs serves all of them; a pass takes
-// two such chunks (10 rows) and more rows run in passes. B is a block's q for 16 outputs in
+// of its 16 rows) and one TDPBF16PS per block and 16 outputs serves all of them (each such chunk
+// then costs its tile store and the scaling of its rows, per block: what a further 5 rows add);
+// a pass takes three chunks (15 rows) and more rows run in passes. B is a block's q for 16 outputs in
 // AMX's pair-interleaved layout, built from the repacked nibbles by one permute per 32 weights;
 // the loop over output groups is software-pipelined (B of the next group built, and C of the
 // previous one read back, while this group's product runs), since a tile load waits for the
@@ -43,7 +46,7 @@
 namespace {
 
 constexpr int kChunk = 5;  // activation rows a tile takes (3 limbs each: 15 tile rows)
-constexpr int kPass = 2;   // chunks a pass takes (tiles: 2 A, 2 B, 2 x 2 C)
+constexpr int kPass = 3;   // chunks a pass takes (tiles: 3 A, 2 B, 3 C)
 constexpr int64_t kGroup = 16;
 
 bool amx_usable() {  // the CPU has AMX-TILE, AMX-BF16 and AVX512-BW, and Linux lets us use it
@@ -60,13 +63,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0, 1: A of chunks 0, 1 (3 m_i rows); 2, 3: B (ping, pong); 4, 5: C of chunks 0, 1 (ping);
-// 6, 7: the same (pong)
+// tiles 0, 1, 2: A of chunks 0, 1, 2 (3 m_i rows); 3, 7: B (ping, pong); 4, 5, 6: C of chunks 0, 1, 2
 EAGLE_AMX void configure(const int* m, int n) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  cfg.rows[2] = cfg.rows[3] = 16;
-  for (int i = 0; i < kPass; ++i) cfg.rows[i] = cfg.rows[4 + i] = cfg.rows[6 + i] = 3 * (i < n ? m[i] : 1);
+  cfg.rows[3] = cfg.rows[7] = 16;
+  for (int i = 0; i < kPass; ++i) cfg.rows[i] = cfg.rows[4 + i] = 3 * (i < n ? m[i] : 1);
   asm volatile("" : : "r"(&cfg) : "memory");  // gcc drops the stores to cfg otherwise
   _tile_loadconfig(&cfg);
 }
@@ -86,13 +88,15 @@ EAGLE_AMX inline void unpack(const uint8_t* src, uint16_t* b, __m512i bf16_of) {
 template <int P>
 EAGLE_AMX inline void products(const uint16_t* b, float (*c)[256], int n) {
   if constexpr (P == 0) {
-    _tile_loadd(2, b, 64);
-    _tile_zero(4); _tile_dpbf16ps(4, 0, 2); _tile_stored(4, c[0], 64);
-    if (n > 1) { _tile_zero(5); _tile_dpbf16ps(5, 1, 2); _tile_stored(5, c[1], 64); }
-  } else {
     _tile_loadd(3, b, 64);
-    _tile_zero(6); _tile_dpbf16ps(6, 0, 3); _tile_stored(6, c[0], 64);
-    if (n > 1) { _tile_zero(7); _tile_dpbf16ps(7, 1, 3); _tile_stored(7, c[1], 64); }
+    _tile_zero(4); _tile_dpbf16ps(4, 0, 3); _tile_stored(4, c[0], 64);
+    if (n > 1) { _tile_zero(5); _tile_dpbf16ps(5, 1, 3); _tile_stored(5, c[1], 64); }
+    if (n > 2) { _tile_zero(6); _tile_dpbf16ps(6, 2, 3); _tile_stored(6, c[2], 64); }
+  } else {
+    _tile_loadd(7, b, 64);
+    _tile_zero(4); _tile_dpbf16ps(4, 0, 7); _tile_stored(4, c[0], 64);
+    if (n > 1) { _tile_zero(5); _tile_dpbf16ps(5, 1, 7); _tile_stored(5, c[1], 64); }
+    if (n > 2) { _tile_zero(6); _tile_dpbf16ps(6, 2, 7); _tile_stored(6, c[2], 64); }
   }
 }
 
@@ -139,6 +143,7 @@ EAGLE_AMX void run_pass(const Pass& p, const uint8_t* q, const float* scales, in
   for (int64_t k = 0; k < B; ++k) {
     _tile_loadd(0, p.limbs + 32 * k, 2 * p.K);
     if (p.n > 1) _tile_loadd(1, p.limbs + chunk + 32 * k, 2 * p.K);
+    if (p.n > 2) _tile_loadd(2, p.limbs + 2 * chunk + 32 * k, 2 * p.K);
     auto wq = [&](int64_t g) { return q + (k * G + g) * 256; };
     auto dm = [&](int64_t g) { return scales + (k * G + g) * 32; };
     auto at = [&](int64_t g) { return acc + (g - g0) * rows * 16; };
