@@ -30,6 +30,8 @@ torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const 
 extern const bool kI8Vnni;  // linear_i8 runs AVX512-VNNI here (else its AVX2 path)
 torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                         const c10::optional<torch::Tensor>& bias);
+torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                        const torch::Tensor& bound, int64_t max_kept);
 extern const bool kAmx;  // linear_q4_1_amx runs here (AMX-BF16 tiles granted: cpu_amx.cpp)
 torch::Tensor linear_q4_1_amx(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                               const c10::optional<torch::Tensor>& bias);

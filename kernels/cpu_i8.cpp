@@ -31,7 +31,9 @@ constexpr int kRowTile = 6;  // rows a tile takes at most; more run in balanced 
                                // the default target here: 7 rows as one tile 1.6 ms, as 4 + 3 1.0)
 
 // x [R, K] -> qa [R, K] int8, da [R, K/32] (the scale), sa [R, K/32] (da * sum of the block's qa)
-EAGLE_I8 void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* qa, float* da, float* sa) {
+// and, where asked, amaxes [R, K/32] (the block's max |x|)
+EAGLE_I8 void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* qa, float* da, float* sa,
+                            float* amaxes = nullptr) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -39,6 +41,7 @@ EAGLE_I8 void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* qa, fl
       const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
       const __m512 a = _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1));
       const float amax = _mm512_reduce_max_ps(a);
+      if (amaxes) amaxes[r * (K / 32) + b] = amax;
       const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
       const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // round to nearest even
       const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
@@ -50,13 +53,22 @@ EAGLE_I8 void quantize_rows(const float* x, int64_t R, int64_t K, int8_t* qa, fl
     }
 }
 
-// RB rows against one group of 16 weight rows: out[r, lane]
-template <int RB, int C>
+// A screen's error bound beside the outputs (screen_i8): per block the 16 outputs' coefficients
+// of the block's max |x| ([B, 16] of a group) and the rows' maxes [R, B]; out then gets
+// output + bound, low output - bound.
+struct Bound {
+  const float* coef;
+  const float* amax;
+  float* low;
+};
+
+// RB rows against one group of 16 weight rows: out[r, lane] (with a Bound: see there)
+template <int RB, int C, bool Bounded = false>
 EAGLE_I8 inline void tile(const uint8_t* w, const float* scales, int64_t K, const int8_t* qa,
-                          const float* da, const float* sa, float* out, int64_t N) {
+                          const float* da, const float* sa, float* out, int64_t N, Bound bound = {}) {
   const int64_t B = K / 32;
-  __m512 acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[RB], err[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = err[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < B; ++b) {
     __m512i wv[8];
@@ -78,37 +90,49 @@ EAGLE_I8 inline void tile(const uint8_t* w, const float* scales, int64_t K, cons
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(da[r * B + b]));
       acc[r] = _mm512_fmadd_ps(t, d, acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[r * B + b]), acc[r]);
+      if constexpr (Bounded)
+        err[r] = _mm512_fmadd_ps(_mm512_loadu_ps(bound.coef + b * 16), _mm512_set1_ps(bound.amax[r * B + b]), err[r]);
     }
   }
-  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(out + r * N, acc[r]);
-}
-
-template <int C>
-EAGLE_I8 void rows_tile(int RB, const uint8_t* w, const float* scales, int64_t K, const int8_t* qa,
-                        const float* da, const float* sa, float* out, int64_t N) {
-  switch (RB) {
-    case 1: tile<1, C>(w, scales, K, qa, da, sa, out, N); break;
-    case 2: tile<2, C>(w, scales, K, qa, da, sa, out, N); break;
-    case 3: tile<3, C>(w, scales, K, qa, da, sa, out, N); break;
-    case 4: tile<4, C>(w, scales, K, qa, da, sa, out, N); break;
-    case 5: tile<5, C>(w, scales, K, qa, da, sa, out, N); break;
-    case 6: tile<6, C>(w, scales, K, qa, da, sa, out, N); break;
-    case 7: tile<7, C>(w, scales, K, qa, da, sa, out, N); break;
-    case 8: tile<8, C>(w, scales, K, qa, da, sa, out, N); break;
+  for (int r = 0; r < RB; ++r) {
+    if constexpr (Bounded) {
+      _mm512_storeu_ps(out + r * N, _mm512_add_ps(acc[r], err[r]));
+      _mm512_storeu_ps(bound.low + r * N, _mm512_sub_ps(acc[r], err[r]));
+    } else {
+      _mm512_storeu_ps(out + r * N, acc[r]);
+    }
   }
 }
 
-template <int C>
+template <int C, bool Bounded>
+EAGLE_I8 void rows_tile(int RB, const uint8_t* w, const float* scales, int64_t K, const int8_t* qa,
+                        const float* da, const float* sa, float* out, int64_t N, Bound bound) {
+  switch (RB) {
+    case 1: tile<1, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+    case 2: tile<2, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+    case 3: tile<3, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+    case 4: tile<4, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+    case 5: tile<5, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+    case 6: tile<6, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+    case 7: tile<7, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+    case 8: tile<8, C, Bounded>(w, scales, K, qa, da, sa, out, N, bound); break;
+  }
+}
+
+// bound: (Bounded) coef [G, B, 16], amax [R, B], low [R, N]
+template <int C, bool Bounded = false>
 EAGLE_I8 void matmul(const int8_t* qa, const float* da, const float* sa, int64_t R, int64_t K,
-                     const uint8_t* w, const float* scales, int64_t N, float* out) {
+                     const uint8_t* w, const float* scales, int64_t N, float* out, Bound bound = {}) {
   const int64_t G = N / kGroup, B = K / 32;
   at::parallel_for(0, G, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r = 0, rb; r < R; r += rb) {
         const int64_t tiles = (R - r + kRowTile - 1) / kRowTile;
         rb = (R - r + tiles - 1) / tiles;
-        rows_tile<C>(static_cast<int>(rb), w + g * B * C * 64, scales + g * B * 32, K, qa + r * K,
-                     da + r * B, sa + r * B, out + r * N + g * kGroup, N);
+        const Bound at = Bounded ? Bound{bound.coef + g * B * 16, bound.amax + r * B, bound.low + r * N + g * kGroup}
+                                 : Bound{};
+        rows_tile<C, Bounded>(static_cast<int>(rb), w + g * B * C * 64, scales + g * B * 32, K, qa + r * K,
+                              da + r * B, sa + r * B, out + r * N + g * kGroup, N, at);
       }
   });
 }
@@ -227,7 +251,7 @@ torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const to
   float *da = ds[0].data_ptr<float>(), *sa = ds[1].data_ptr<float>(), *o = out.data_ptr<float>();
   if (kI8Vnni) {
     quantize_rows(rows.data_ptr<float>(), R, K, qa.data_ptr<int8_t>(), da, sa);
-    (C == 4 ? matmul<4> : matmul<8>)(qa.data_ptr<int8_t>(), da, sa, R, K, w, scales.data_ptr<float>(), N, o);
+    (C == 4 ? matmul<4> : matmul<8>)(qa.data_ptr<int8_t>(), da, sa, R, K, w, scales.data_ptr<float>(), N, o, Bound{});
   } else {
     quantize_rows_avx2(rows.data_ptr<float>(), R, K, qa.data_ptr<int8_t>(), da, sa);
     (C == 4 ? matmul_avx2<true> : matmul_avx2<false>)(qa.data_ptr<int8_t>(), da, sa, R, K, w,
@@ -237,4 +261,52 @@ torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const to
   auto shape = x.sizes().vec();
   shape.back() = N;
   return out.view(shape);
+}
+
+// x [R, K] fp32 (finite); q, scales: linear_i8's (VNNI: kI8Vnni); bound [N/16, K/32, 16] fp32: per
+// output and block the coefficient of the block's max |x| in the output's error bound
+// (eagle_serve.cpu_argmax.ScreenedArgmax) -> the outputs whose value may be their row's largest
+// in some row (approx + bound >= the row's max of approx - bound), ascending; empty where more
+// than max_kept (or none) are.
+EAGLE_I8 torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                                 const torch::Tensor& bound, int64_t max_kept) {
+  TORCH_CHECK(kI8Vnni, "screen_i8: AVX512-VNNI only");
+  const int64_t K = x.size(-1), N = q.size(0) * kGroup, C = q.size(2), B = K / 32;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && q.scalar_type() == torch::kUInt8 &&
+              q.dim() == 4 && q.size(1) == B && K % 32 == 0 && (C == 4 || C == 8) && q.is_contiguous() &&
+              scales.is_contiguous() && scales.numel() == N / kGroup * B * 32 &&
+              bound.scalar_type() == torch::kFloat32 && bound.is_contiguous() && bound.numel() == N * B,
+              "screen_i8: x [R, K] fp32, q [N/16, K/32, 4 or 8, 64] uint8, scales [N/16, K/32, 2, 16], "
+              "bound [N/16, K/32, 16]");
+  const auto rows = x.contiguous();
+  const int64_t R = rows.size(0);
+  const auto none = torch::empty({0}, x.options().dtype(torch::kInt64));
+  const float* xp = rows.data_ptr<float>();
+  if (!std::all_of(xp, xp + R * K, [](float f) { return std::isfinite(f); })) return none;
+  auto qa = torch::empty({R, K}, x.options().dtype(torch::kInt8));
+  auto small = torch::empty({3, R, B}, x.options());  // da, sa, amax
+  auto high = torch::empty({R, N}, x.options()), low = torch::empty({R, N}, x.options());
+  float *da = small[0].data_ptr<float>(), *sa = small[1].data_ptr<float>(), *amax = small[2].data_ptr<float>();
+  quantize_rows(xp, R, K, qa.data_ptr<int8_t>(), da, sa, amax);
+  const Bound b{bound.data_ptr<float>(), amax, low.data_ptr<float>()};
+  (C == 4 ? matmul<4, true> : matmul<8, true>)(qa.data_ptr<int8_t>(), da, sa, R, K,
+                                              static_cast<const uint8_t*>(q.data_ptr()),
+                                              scales.data_ptr<float>(), N, high.data_ptr<float>(), b);
+  std::vector<float> floor(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* l = low.data_ptr<float>() + r * N;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t v = 0; v < N; v += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(l + v));
+    floor[r] = _mm512_reduce_max_ps(top);
+  }
+  std::vector<int64_t> kept;
+  const float* h = high.data_ptr<float>();
+  for (int64_t v = 0; v < N; v += 16) {
+    __mmask16 any = 0;
+    for (int64_t r = 0; r < R; ++r)
+      any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(h + r * N + v), _mm512_set1_ps(floor[r]), _CMP_GE_OQ);
+    for (; any; any &= any - 1) kept.push_back(v + __builtin_ctz(any));
+    if (static_cast<int64_t>(kept.size()) > max_kept) return none;
+  }
+  return torch::tensor(kept, x.options().dtype(torch::kInt64));
 }

@@ -60,17 +60,30 @@ class ScreenedArgmax:
         # [B, V]: B_v = amax [R, B] @ this
         rounding = ACTIVATION_ROUNDING + 2 * k * 2.0 ** -24
         self.bound = (MARGIN * (rounding * spread + KERNEL_ROUNDING * offset)).t().contiguous()
+        # the same, as cpu_i8.cpp's screen_i8 reads it beside the weights: [V/16, B, 16]
+        self.packed_bound = self.bound.view(k // BLOCK, v // 16, 16).transpose(0, 1).contiguous()
+        self.fused = cpu_kernels().i8_vnni  # kept tokens from one C++ call (else `kept` below)
+
+    def kept(self, final: torch.Tensor) -> torch.Tensor:
+        """final [R, K] -> the tokens whose logit may be their row's largest in some row, [C]
+        ascending (those of approx + B_v >= max_u (approx_u - B_u)); what screen_i8 computes in
+        one call, here in PyTorch (its reference, and the path without VNNI)."""
+        r, k = final.shape
+        approx = self.approx.linear(final, None)  # [R, V]
+        bound = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1) @ self.bound  # [R, V]
+        floor = (approx - bound).amax(dim=-1, keepdim=True)  # [R, 1] the best sure lower bound
+        return (approx.add_(bound) >= floor).any(dim=0).nonzero().squeeze(1)  # [C] ascending
 
     def __call__(self, final: torch.Tensor) -> torch.Tensor:
         """final [R, K] fp32 -> [R] int64: the argmax of head(final) per row."""
         if self.skip:  # the screen kept too many lately: every logit, for a while
             self.skip -= 1
             return self.head(final).argmax(dim=-1)
-        r, k = final.shape
-        approx = self.approx.linear(final, None)  # [R, V]
-        bound = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1) @ self.bound  # [R, V]
-        floor = (approx - bound).amax(dim=-1, keepdim=True)  # [R, 1] the best sure lower bound
-        kept = (approx.add_(bound) >= floor).any(dim=0).nonzero().squeeze(1)  # [C] ascending
+        if self.fused:  # empty where too many are kept or final is not finite
+            kept = cpu_kernels().screen_i8(final, self.approx.q, self.approx.scales, self.packed_bound,
+                                           MAX_CANDIDATES)
+        else:
+            kept = self.kept(final)
         flat = not 0 < len(kept) <= MAX_CANDIDATES  # flat (or NaN) logits: every logit
         self.flat += FLAT_SMOOTHING * (flat - self.flat)
         if flat:

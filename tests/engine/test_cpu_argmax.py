@@ -11,6 +11,7 @@ from eagle_serve.cpu_matmul import CpuLinear
 from eagle_serve.cpu_quant import int8_activations_run
 from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import gguf_weight, q8_0_target, tiny_engine
+from kernels.cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not int8_activations_run(),
                                 reason="the screen runs on the 8-bit kernels (AVX2, FMA)")
@@ -37,14 +38,19 @@ def one_step_apart(block: torch.Tensor, j: int, kind: str) -> torch.Tensor:
     return d * (q - 1 if q > 0 else q + 1) + m
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
-def test_the_screened_argmax_is_the_full_heads_for_any_rows_with_near_ties_and_exact_ties(kind):
+def test_the_screened_argmax_is_the_full_heads_for_any_rows_with_near_ties_and_exact_ties(kind, fused):
+    """(fused: the kept tokens from cpu_i8.cpp's screen_i8, where VNNI runs; else ScreenedArgmax.kept)"""
     weight = gguf_weight(kind, 512, 128, seed=3)
     # near ties: row 7 is row 5 with one weight a quantization step apart; exact ties: row 300 is row 9
     weight[7], weight[300] = weight[5], weight[9]
     weight[7, 40] = one_step_apart(weight[5, 32:64], 8, kind)
     lm = head(weight)
     screen = ScreenedArgmax(lm)
+    if fused and not screen.fused:
+        pytest.skip("screen_i8 runs on AVX512-VNNI")
+    screen.fused = fused
     g = torch.Generator().manual_seed(4)
     x = torch.randn(64, 128, generator=g)
     x[:, 3] *= 30  # an outlier feature, as a final norm's output has
@@ -58,6 +64,23 @@ def test_the_screened_argmax_is_the_full_heads_for_any_rows_with_near_ties_and_e
     for rows in (1, 2, 3, 5, 8):
         got = torch.cat([screen(part) for part in x.split(rows)])
         assert torch.equal(got, full)
+
+
+def test_the_fused_screen_keeps_the_tokens_its_pytorch_reference_keeps():
+    lm = head(gguf_weight("q8_0", 4096, 576, seed=7))
+    screen = ScreenedArgmax(lm)
+    if not screen.fused:
+        pytest.skip("screen_i8 runs on AVX512-VNNI")
+    g = torch.Generator().manual_seed(8)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 576, generator=g) * 2
+        x[:, 5] *= 40
+        kept = cpu_kernels().screen_i8(x, screen.approx.q, screen.approx.scales, screen.packed_bound, 4096)
+        assert torch.equal(kept, screen.kept(x))
+        assert set(lm(x).argmax(-1).tolist()) <= set(kept.tolist())
+    x[0, 0] = float("nan")
+    assert cpu_kernels().screen_i8(x, screen.approx.q, screen.approx.scales, screen.packed_bound, 4096).numel() == 0
+    assert cpu_kernels().screen_i8(x[1:], screen.approx.q, screen.approx.scales, screen.packed_bound, 1).numel() == 0
 
 
 def test_a_head_with_a_bias_or_without_exact_blocks_is_not_screened():
