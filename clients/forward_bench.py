@@ -5,15 +5,16 @@
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
 64 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel on dense weights
-and on GGUF blocks where this CPU has AVX2, those blocks on 8-bit activations, and its bf16
-where oneDNN runs it),
+and on GGUF blocks where this CPU has AVX2, the Q4_1 blocks on AMX tiles where it has them,
+those blocks on 8-bit activations, and its bf16 where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (fp32 where the CPU kernels build:
 the target is GGUF blocks) for 1 to 16 new tokens of one request at context 200, its linears
 reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
 weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
 C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
-target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), and the one call
-on 8-bit activations (`target_activations` int8) (interleaved).
+target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), the one call
+on 8-bit activations (`target_activations` int8) and, where the Q4_1 layers run on AMX tiles,
+the one call with them on the FMA kernels instead (EAGLE_CPU_AMX=0) (interleaved).
 --kernels-from REV adds the one-call forward on the C++ kernels of git revision REV, built
 beside this tree's (an A/B of a kernel change, interleaved in one process).
 docs/performance.md quotes it.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import subprocess
 import tempfile
 import time
@@ -37,7 +39,7 @@ from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight
 from eagle_serve import cpu_stack
-from kernels.cpu import build, cpu_kernels
+from kernels.cpu import amx_tiles, build, cpu_kernels
 from forward_profile import decode_batch  # this script's folder is on sys.path
 
 
@@ -62,6 +64,10 @@ def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, laye
         names += ["row kernel fp32", "blocks fp32"]
         configs += [([m.forward for m in kernel], torch.float32),
                     ([functools.partial(distinct[s].linear, bias=None) for s in shapes], torch.float32)]
+    if amx_tiles():  # the Q4_1 layers on AMX tiles (the Q8_0 LM head stays on the FMA kernel)
+        tiles = {s: b.amx() if b.kind == "q4_1" else b for s, b in distinct.items()}
+        names.append("blocks fp32 AMX tiles")
+        configs.append(([functools.partial(tiles[s].linear, bias=None) for s in shapes], torch.float32))
     if int8_activations_run():
         packed = {s: b.int8_activations() for s, b in distinct.items()}
         names.append("blocks int8 activations")
@@ -126,6 +132,12 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
     if stack is not None and int8_activations_run():
         int8 = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64, activations="int8")
         names.append("int8 activations")
+    fma = None
+    if stack is not None and amx_tiles():  # the one call with the Q4_1 layers on the FMA kernels
+        os.environ["EAGLE_CPU_AMX"] = "0"
+        fma = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
+        del os.environ["EAGLE_CPU_AMX"]
+        names.append("FMA kernels")
     times: dict = {}
     for _ in range(repeats):
         for rows in rows_list:
@@ -139,7 +151,8 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
                 for m, w in zip(linears, weights.get(name, weights["packed"])):
                     m._packed = w  # the inner product reads either layout
                 start = time.perf_counter()
-                {"bf16": bf16, "int8 activations": int8}.get(name, model).logits(batch, torch.arange(rows))
+                {"bf16": bf16, "int8 activations": int8, "FMA kernels": fma}.get(name, model).logits(
+                    batch, torch.arange(rows))
                 times.setdefault((rows, name), []).append(time.perf_counter() - start)
     print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
     for rows in rows_list:
