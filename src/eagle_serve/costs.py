@@ -34,6 +34,10 @@ MIN_ROW_COUNTS = 2   # distinct target row counts measured (a slope needs two)
 DECAY = 0.995        # a row count's weight in the line: its calls, each older call counting
 #                      this much less (the last few hundred calls set the shares)
 TRIM = 0.05          # share of the calls, the largest row counts', the line leaves out
+FORGET = 0.01        # a row count whose decayed calls fall below this is forgotten (unseen for
+#                      ~1000 calls, its average is stale): a policy that stopped drafting on a
+#                      slow spell's measurements falls back to the static costs, drafts, and
+#                      measures again, instead of reading those stale averages for good
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,10 @@ class MeasuredCosts:
     def record_target(self, rows: int, seconds: float) -> None:
         """A decode/verify target call of `rows` rows (no prefill in it) took `seconds`."""
         self.target[rows] = self._average(self.target.get(rows), seconds)
-        for r in self.calls:
+        for r in list(self.calls):
             self.calls[r] *= DECAY
+            if self.calls[r] < FORGET:
+                del self.calls[r], self.target[r]
         self.calls[rows] = self.calls.get(rows, 0.0) + 1.0
         self._fit = None
 

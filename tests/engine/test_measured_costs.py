@@ -71,6 +71,19 @@ def test_the_line_follows_the_row_counts_the_server_runs_not_a_few_slow_calls_of
     assert costs.line()[1] > 0.003
 
 
+def test_a_row_count_unseen_for_a_thousand_calls_is_forgotten_so_a_policy_that_stopped_drafting_measures_again():
+    costs = measured(0.013, 0.009, 0.005, rows=range(1, 4))  # rows measured dear (a slow spell)
+    assert costs.shares(1).step == pytest.approx(0.009 / 0.022)
+    for _ in range(500):  # drafting nothing: one-row calls only
+        costs.record_target(1, 0.013)
+    assert costs.shares(1) is not None  # still within the last few hundred calls
+    for _ in range(1000):
+        costs.record_target(1, 0.013)
+    assert costs.shares(1) is None  # stale: the static costs again, until rows are measured anew
+    costs.record_target(2, 0.0145)
+    assert costs.shares(1).step == pytest.approx(0.0015 / 0.013)
+
+
 def request(policy: DraftPolicy, params: SamplingParams, rate_in_100: int) -> Request:
     k = policy.default_k(params, True)
     req = Request("r", 4, params, k, 0, None, [1, 2, 3, 4])
