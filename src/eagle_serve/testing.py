@@ -299,6 +299,21 @@ def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, d
     return build_local_engine(target_dir, head_dir, dtype=dtype, **{**TEST_ENGINE, **overrides})
 
 
+def assert_drafts_verify_to_plain(engine, prompts: list[list[int]], max_tokens: int = 16) -> list:
+    """Greedy chains and trees on `engine` give exactly its plain decoding's tokens, and draft
+    -> plain decoding's token lists."""
+    from eagle_serve.requests import SamplingParams
+
+    plain = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens,
+                                                                          num_speculative_tokens=0))]
+    for shape in (dict(num_speculative_tokens=3), dict(num_speculative_tokens=8, draft_topk=4, draft_depth=3)):
+        drafted = engine.stats.draft_tokens
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, **shape))
+        assert [r.token_ids for r in outputs] == plain, shape
+        assert engine.stats.draft_tokens > drafted, shape
+    return plain
+
+
 def q8_0_target(tiny_target: str | Path, folder: str | Path, rounding=round_to_q8_0) -> Path:
     """The tiny target with every linear rounded to Q8_0 (or by `rounding`, e.g.
     round_to_q4_1), in float32 (a GGUF-like target)."""

@@ -10,9 +10,9 @@ from eagle_serve import paths
 from eagle_serve.cpu_quant import block_form
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.requests import SamplingParams
 from eagle_serve.target import TargetModel
-from eagle_serve.testing import gguf_weight, q8_0_target, round_to_q4_1, tiny_engine
+from eagle_serve.testing import (assert_drafts_verify_to_plain, gguf_weight, q8_0_target, round_to_q4_1,
+                                 tiny_engine)
 from kernels.cpu import amx_tiles, cpu_kernels
 
 pytestmark = pytest.mark.skipif(not amx_tiles(), reason="AMX tiles: a CPU with AMX-BF16 (e.g. Xeon Sapphire Rapids)")
@@ -61,11 +61,7 @@ def test_a_q4_1_target_on_amx_tiles_verifies_to_exactly_its_own_plain_decoding(t
     engine = tiny_engine(target, eagle3_head, dtype="float32")
     layers = [m for m in engine.target.cpu_linears() if m.blocks is not None and m is not engine.target.lm_head]
     assert layers and all(m.blocks.kind == "q4_1_amx" for m in layers)
-    plain = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=16, num_speculative_tokens=0))]
-    for shape in (dict(num_speculative_tokens=3), dict(num_speculative_tokens=8, draft_topk=4, draft_depth=3)):
-        drafted = engine.stats.draft_tokens
-        assert [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=16, **shape))] == plain
-        assert engine.stats.draft_tokens > drafted
+    assert_drafts_verify_to_plain(engine, prompts)
 
 
 def test_the_default_target_runs_its_layers_on_amx_tiles_close_to_the_fma_kernels(monkeypatch):

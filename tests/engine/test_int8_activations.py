@@ -11,7 +11,7 @@ import torch
 from eagle_serve.cpu_matmul import CpuLinear
 from eagle_serve.cpu_quant import block_form, int8_activations_run
 from eagle_serve.requests import SamplingParams
-from eagle_serve.testing import gguf_weight, q8_0_target, tiny_engine
+from eagle_serve.testing import assert_drafts_verify_to_plain, gguf_weight, q8_0_target, tiny_engine
 
 pytestmark = pytest.mark.skipif(not int8_activations_run(),
                                 reason="8-bit activations run on the CPU kernels (AVX2, FMA)")
@@ -62,11 +62,7 @@ def test_a_target_on_8_bit_activations_verifies_to_exactly_its_own_plain_decodin
     engine = tiny_engine(target, eagle3_head, dtype="float32", target_activations="int8")
     linears = [m for m in engine.target.cpu_linears() if m.blocks is not None]
     assert linears and all(m.blocks.kind == "q8_0_a8" for m in linears)
-    plain = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=16, num_speculative_tokens=0))]
-    for shape in (dict(num_speculative_tokens=3), dict(num_speculative_tokens=6, draft_topk=2, draft_depth=3)):
-        drafted = engine.stats.draft_tokens
-        assert [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=16, **shape))] == plain
-        assert engine.stats.draft_tokens > drafted
+    assert_drafts_verify_to_plain(engine, prompts)
     sampled = SamplingParams(max_tokens=16, num_speculative_tokens=3, temperature=0.8, seed=11)
     together = [r.token_ids for r in engine.generate(prompts, sampled)]
     assert [engine.generate([p], sampled)[0].token_ids for p in prompts[:3]] == together[:3]
