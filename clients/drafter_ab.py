@@ -4,7 +4,7 @@ and its corpus-index.npz if it has one) in turn, greedy.
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit] \\
-        [--kernels-from REV] [--fma-kernels]
+        [--kernels-from REV] [--fma-kernels] [--policy max_draft_batch=0 [lookup_tokens=10 ...]]
 
 Every drafter runs on its own engine over the same target in this process, one group at a time
 through every config (reversed every other group), so drift hits all alike; the speedups are
@@ -20,10 +20,14 @@ change's gain on whole requests, where clients/forward_bench.py times single for
 --fma-kernels adds plain decoding and the first drafter on a second engine whose target runs
 its Q4_1 linears on cpu.cpp's FMA kernels instead of AMX tiles (on CPUs with them,
 kernels/cpu_amx.cpp); its outputs are compared with its own plain decoding's.
+--policy NAME=VALUE ... adds, for each, the first drafter on the same engine with that draft
+policy setting (an EngineConfig field the draft policy reads, eagle_serve.drafting) instead of
+the default's: a policy change's gain on whole requests, beside the default in the same run.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -38,24 +42,28 @@ from eagle_serve.cpu_argmax import ScreenedArgmax
 from eagle_serve.engine import Engine
 from eagle_serve.local import build_local_engine
 from eagle_serve.requests import SamplingParams, acceptance_length
+from eagle_serve.settings import EngineConfig
 from eagle_serve.tokenization import encode_prompt
 
 
 @dataclass(frozen=True)
 class Config:
     """One column of the comparison: an engine, its k (0: plain decoding, None: its default),
-    its LM-head screen (None: every logit), the kernels its layers run on and the config whose
-    outputs its own must equal (plain decoding on the same target arithmetic)."""
+    its LM-head screen (None: every logit), the kernels its layers run on, the config whose
+    outputs its own must equal (plain decoding on the same target arithmetic) and the settings
+    its draft policy reads (None: the engine's own)."""
     name: str
     engine: Engine
     k: int | None
     screen: ScreenedArgmax | None
     kernels: Callable
     baseline: str = "plain"
+    policy: EngineConfig | None = None
 
     def generate(self, group: list[list[int]], max_tokens: int):
         self.engine.target.screen = self.screen
         cpu_stack.cpu_kernels = self.kernels
+        self.engine.policy.config = self.policy or self.engine.config
         return self.engine.generate(group, SamplingParams(max_tokens=max_tokens,
                                                           num_speculative_tokens=self.k))
 
@@ -75,6 +83,8 @@ def main(argv=None) -> None:
     p.add_argument("--fma-kernels", action="store_true",
                    help="also plain decoding and the first drafter with the target's Q4_1 linears "
                         "on the FMA kernels, not AMX tiles")
+    p.add_argument("--policy", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="also the first drafter with each of these draft policy settings")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,6 +101,9 @@ def main(argv=None) -> None:
         other = kernels_at(args.kernels_from)
         configs += [Config(f"{n}, kernels of {args.kernels_from}", first, k, first.target.screen,
                            lambda: other) for n, k in same_engine]
+    for setting in args.policy:  # the same engine, its draft policy set otherwise
+        configs.append(Config(f"{args.drafters[0]}, {setting}", first, None, first.target.screen,
+                              this_tree, policy=policy_setting(first.config, setting)))
     if args.fma_kernels:  # another engine: the kernels are chosen as the target loads
         os.environ["EAGLE_CPU_AMX"] = "0"
         fma = build_local_engine(target, args.drafters[0])
@@ -121,6 +134,21 @@ def main(argv=None) -> None:
         print(f"{name}: {speed:.1f} tokens/s  {speed / base:.2f}x plain  "
               f"tau {acceptance_length(t['accepted'], t['rounds']):.2f}  "
               f"output = its plain decoding's {t['same']}/{len(prompts)}")
+
+
+def policy_setting(config: EngineConfig, setting: str) -> EngineConfig:
+    """`config` with one field set from "NAME=VALUE" (parsed as the field's type), validated."""
+    name, _, value = setting.partition("=")
+    if name not in {f.name for f in dataclasses.fields(config)} or not value:
+        raise SystemExit(f"--policy {setting!r}: expected NAME=VALUE with NAME an EngineConfig field")
+    kind = type(getattr(config, name))
+    try:
+        parsed = value.lower() in ("1", "true") if kind is bool else kind(value)
+        changed = dataclasses.replace(config, **{name: parsed})
+        changed.validate()
+    except ValueError as e:
+        raise SystemExit(f"--policy {setting!r}: {e}") from None
+    return changed
 
 
 if __name__ == "__main__":

@@ -247,12 +247,25 @@ def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_deco
     out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
                "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
                str(tiny_models["eagle1"]), "--concurrency", concurrency]
-              + ["--every-logit", "--kernels-from", "HEAD", "--fma-kernels"] * (concurrency == "2"))
+              + ["--every-logit", "--kernels-from", "HEAD", "--fma-kernels",
+                 "--policy", "max_draft_batch=1", "lookup_tokens=0"] * (concurrency == "2"))
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
     names = ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]
     names += ["plain, every logit", f"{tiny_models['eagle3']}, every logit",
               "plain, kernels of HEAD", f"{tiny_models['eagle3']}, kernels of HEAD",
+              f"{tiny_models['eagle3']}, max_draft_batch=1", f"{tiny_models['eagle3']}, lookup_tokens=0",
               "plain, FMA kernels", f"{tiny_models['eagle3']}, FMA kernels"] * (concurrency == "2")
     assert [line.split(": ")[0] for line in lines] == names
     assert all(line.endswith("output = its plain decoding's 2/2") for line in lines)
+
+
+@pytest.mark.parametrize("setting", ["no_such_setting=1", "max_draft_batch=-1", "lookup_tokens"])
+def test_drafter_ab_refuses_a_policy_setting_it_cannot_apply(tiny_models, tmp_path, setting):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n')
+    out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "4",
+               "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
+               "--policy", setting])
+    assert out.returncode != 0
+    assert setting.split("=")[0] in out.stderr
