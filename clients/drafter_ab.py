@@ -4,7 +4,7 @@ and its corpus-index.npz if it has one) in turn, greedy.
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit] \\
-        [--kernels-from REV] [--fma-kernels] [--policy max_draft_batch=0 [lookup_tokens=10 ...]]
+        [--kernels-from REV] [--fma-kernels] [--policy max_draft_batch=0 [lookup_tokens=8 ...]]
 
 Every drafter runs on its own engine over the same target in this process, one group at a time
 through every config (reversed every other group), so drift hits all alike; the speedups are
