@@ -61,11 +61,11 @@ class MeasuredCosts:
 
     def record_target(self, rows: int, seconds: float) -> None:
         """A decode/verify target call of `rows` rows (no prefill in it) took `seconds`."""
-        self.target[rows] = self._average(self.target.get(rows), seconds)
-        for r in list(self.calls):
+        for r in list(self.calls):  # age (and forget) the row counts before this call counts
             self.calls[r] *= DECAY
             if self.calls[r] < FORGET:
                 del self.calls[r], self.target[r]
+        self.target[rows] = self._average(self.target.get(rows), seconds)
         self.calls[rows] = self.calls.get(rows, 0.0) + 1.0
         self._fit = None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_serve.costs import MIN_CALLS, MeasuredCosts
+from eagle_serve.costs import DECAY, FORGET, MIN_CALLS, MeasuredCosts
 from eagle_serve.drafting import BATCH_MARGIN, MEASURED_MARGIN, DraftPolicy
 from eagle_serve.lookup import CONTEXT, CORPUS, HEAD
 from eagle_serve.lookup_scores import MAX_PLACE, LookupKey, LookupScores
@@ -82,6 +82,22 @@ def test_a_row_count_unseen_for_a_thousand_calls_is_forgotten_so_a_policy_that_s
     assert costs.shares(1) is None  # stale: the static costs again, until rows are measured anew
     costs.record_target(2, 0.0145)
     assert costs.shares(1).step == pytest.approx(0.0015 / 0.013)
+
+
+def test_a_row_count_back_on_the_call_it_would_be_forgotten_keeps_its_new_time_and_is_forgotten_later_cleanly():
+    costs = MeasuredCosts()
+    costs.record_target(1, 0.013)
+    costs.record_target(2, 0.020)  # stale: a slow spell
+    weight, calls = 1.0, 0
+    while weight * DECAY >= FORGET:  # the one-row calls after which the next call forgets 2 rows
+        weight, calls = weight * DECAY, calls + 1
+    for _ in range(calls):
+        costs.record_target(1, 0.013)
+    costs.record_target(2, 0.0145)  # back on that very call: measured anew, not dropped
+    assert costs.shares(1).step == pytest.approx(0.0015 / 0.013)
+    for _ in range(calls + 1):
+        costs.record_target(1, 0.013)
+    assert costs.shares(1) is None  # unseen again for as long: forgotten
 
 
 def request(policy: DraftPolicy, params: SamplingParams, rate_in_100: int) -> Request:
