@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,8 +41,9 @@ from eagle_serve.cpu_argmax import ScreenedArgmax
 from eagle_serve.engine import Engine
 from eagle_serve.local import build_local_engine
 from eagle_serve.requests import SamplingParams, acceptance_length
-from eagle_serve.settings import EngineConfig
+from eagle_serve.settings import EngineConfig, ServingSettings
 from eagle_serve.tokenization import encode_prompt
+from kernels.cpu import without_amx_tiles
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,8 @@ def main(argv=None) -> None:
         configs.append(Config(f"{args.drafters[0]}, {setting}", first, None, first.target.screen,
                               this_tree, policy=policy_setting(first.config, setting)))
     if args.fma_kernels:  # another engine: the kernels are chosen as the target loads
-        os.environ["EAGLE_CPU_AMX"] = "0"
-        fma = build_local_engine(target, args.drafters[0])
-        del os.environ["EAGLE_CPU_AMX"]
+        with without_amx_tiles():
+            fma = build_local_engine(target, args.drafters[0])
         configs += [Config(f"{n}, FMA kernels", fma, k, fma.target.screen, this_tree, "plain, FMA kernels")
                     for n, k in same_engine]
     prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
@@ -137,13 +136,12 @@ def main(argv=None) -> None:
 
 
 def policy_setting(config: EngineConfig, setting: str) -> EngineConfig:
-    """`config` with one field set from "NAME=VALUE" (parsed as the field's type), validated."""
+    """`config` with one field set from "NAME=VALUE" (as a spec_decode parameter), validated."""
     name, _, value = setting.partition("=")
     if name not in {f.name for f in dataclasses.fields(config)} or not value:
         raise SystemExit(f"--policy {setting!r}: expected NAME=VALUE with NAME an EngineConfig field")
-    kind = type(getattr(config, name))
-    try:
-        parsed = value.lower() in ("1", "true") if kind is bool else kind(value)
+    try:  # parsed as the server parses its spec_decode parameters
+        parsed = getattr(ServingSettings.from_parameters({name: value}), name)
         changed = dataclasses.replace(config, **{name: parsed})
         changed.validate()
     except ValueError as e:

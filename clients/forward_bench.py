@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import subprocess
 import tempfile
 import time
@@ -39,7 +38,7 @@ from eagle_serve.settings import torch_dtype
 from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight
 from eagle_serve import cpu_stack
-from kernels.cpu import amx_tiles, build, cpu_kernels
+from kernels.cpu import amx_tiles, build, cpu_kernels, without_amx_tiles
 from forward_profile import decode_batch  # this script's folder is on sys.path
 
 
@@ -134,9 +133,8 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
         names.append("int8 activations")
     fma = None
     if stack is not None and amx_tiles():  # the one call with the Q4_1 layers on the FMA kernels
-        os.environ["EAGLE_CPU_AMX"] = "0"
-        fma = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
-        del os.environ["EAGLE_CPU_AMX"]
+        with without_amx_tiles():
+            fma = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
         names.append("FMA kernels")
     times: dict = {}
     for _ in range(repeats):

@@ -19,6 +19,7 @@ row-invariant alike).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -50,6 +51,21 @@ def amx_tiles() -> bool:
     kernels = cpu_kernels()
     return (kernels is not None and wide_linears() and bool(getattr(kernels, "amx", False))
             and os.environ.get("EAGLE_CPU_AMX") != "0")
+
+
+@contextlib.contextmanager
+def without_amx_tiles():
+    """While inside, what loads runs its Q4_1 linears on cpu.cpp's FMA kernels (EAGLE_CPU_AMX=0,
+    as `amx_tiles` reads it); the variable is as before afterwards (benchmarks' baselines)."""
+    before = os.environ.get("EAGLE_CPU_AMX")
+    os.environ["EAGLE_CPU_AMX"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["EAGLE_CPU_AMX"]
+        else:
+            os.environ["EAGLE_CPU_AMX"] = before
 
 
 @functools.cache
