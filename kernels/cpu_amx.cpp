@@ -14,14 +14,21 @@
 // Row-invariant like cpu.cpp's kernels: a row's limbs, block sums and every output's sequence
 // depend on that row alone, whatever the other rows, the tile it falls in or the thread.
 //
-// Tiles: a row's three limbs are three rows of one A tile, so a tile takes 5 activation rows (15
-// of its 16 rows) and one TDPBF16PS per block and 16 outputs serves all of them (each such chunk
-// then costs its tile store and the scaling of its rows, per block: what a further 5 rows add);
-// a pass takes three chunks (15 rows) and more rows run in passes. B is a block's q for 16 outputs in
+// Tiles: up to 15 rows, a row's three limbs are three rows of one A tile, so a tile takes 5
+// activation rows (15 of its 16 rows) and one TDPBF16PS per block and 16 outputs serves all of
+// them (each such chunk then costs its tile store and the scaling of its rows, per block: what a
+// further 5 rows add). 16 rows take a tile a limb (three TDPBF16PS serve 16 rows), so a pass
+// takes 16 rows (8 requests verifying 2 tokens each, or 4 verifying 4) where three chunks took 15
+// and a 16th row cost a second pass over the weights (the default target's layer linears, 16
+// rows: 15.0-16.9 ms against 20.4-24.2 ms in passes of 15); more rows run in passes of 16. A
+// row's limb sum is one TDPBF16PS from zero over the same 32 products either way, so its bits do
+// not depend on the tile it falls in (tested). B is a block's q for 16 outputs in
 // AMX's pair-interleaved layout, built from the repacked nibbles by one permute per 32 weights;
 // the loop over output groups is software-pipelined (B of the next group built, and C of the
 // previous one read back, while this group's product runs), since a tile load waits for the
-// stores before it and a vector load for the tile store before it.
+// stores before it and a vector load for the tile store before it. (Limbs summed by AMX itself,
+// three TDPBF16PS chained into one C, store a third of C but wait on the chain: 1 row 1.27x
+// slower; and their bits would differ from the chunks'.)
 //
 // Packed layout (eagle_serve.cpu_quant.BlockWeight.amx): q [K/32, N/16, 256] uint8: for block b
 // and output group g, byte 32 c + i holds (low nibble) the weight of output 16 g + i / 2 at
@@ -39,14 +46,16 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #define EAGLE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq")))
 
 namespace {
 
-constexpr int kChunk = 5;  // activation rows a tile takes (3 limbs each: 15 tile rows)
-constexpr int kPass = 3;   // chunks a pass takes (tiles: 3 A, 2 B, 3 C)
+constexpr int kChunk = 5;    // activation rows a tile takes, its limbs side by side (15 tile rows)
+constexpr int kRows = 16;    // activation rows a pass takes (tiles: 3 A, 2 B, 3 C)
+constexpr int kChunked = 15; // a pass of at most this many rows runs in chunks, 16 a tile a limb
 constexpr int64_t kGroup = 16;
 
 bool amx_usable() {  // the CPU has AMX-TILE, AMX-BF16 and AVX512-BW, and Linux lets us use it
@@ -63,12 +72,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0, 1, 2: A of chunks 0, 1, 2 (3 m_i rows); 3, 7: B (ping, pong); 4, 5, 6: C of chunks 0, 1, 2
-EAGLE_AMX void configure(const int* m, int n) {
+// tiles 0, 1, 2: A (rows[t] rows each); 3, 7: B (ping, pong); 4, 5, 6: C of A 0, 1, 2
+EAGLE_AMX void configure(const int* rows, int n) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
   cfg.rows[3] = cfg.rows[7] = 16;
-  for (int i = 0; i < kPass; ++i) cfg.rows[i] = cfg.rows[4 + i] = 3 * (i < n ? m[i] : 1);
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = cfg.rows[4 + t] = t < n ? rows[t] : 3;
   asm volatile("" : : "r"(&cfg) : "memory");  // gcc drops the stores to cfg otherwise
   _tile_loadconfig(&cfg);
 }
@@ -84,52 +93,91 @@ EAGLE_AMX inline void unpack(const uint8_t* src, uint16_t* b, __m512i bf16_of) {
   }
 }
 
-// C of each chunk = A x B from zero, stored to c[chunk]
+// C of each A tile t = A x B from zero, stored to c + 256 t
 template <int P>
-EAGLE_AMX inline void products(const uint16_t* b, float (*c)[256], int n) {
+EAGLE_AMX inline void products(const uint16_t* b, float* c, int n) {
   if constexpr (P == 0) {
     _tile_loadd(3, b, 64);
-    _tile_zero(4); _tile_dpbf16ps(4, 0, 3); _tile_stored(4, c[0], 64);
-    if (n > 1) { _tile_zero(5); _tile_dpbf16ps(5, 1, 3); _tile_stored(5, c[1], 64); }
-    if (n > 2) { _tile_zero(6); _tile_dpbf16ps(6, 2, 3); _tile_stored(6, c[2], 64); }
+    _tile_zero(4); _tile_dpbf16ps(4, 0, 3); _tile_stored(4, c, 64);
+    if (n > 1) { _tile_zero(5); _tile_dpbf16ps(5, 1, 3); _tile_stored(5, c + 256, 64); }
+    if (n > 2) { _tile_zero(6); _tile_dpbf16ps(6, 2, 3); _tile_stored(6, c + 512, 64); }
   } else {
     _tile_loadd(7, b, 64);
-    _tile_zero(4); _tile_dpbf16ps(4, 0, 7); _tile_stored(4, c[0], 64);
-    if (n > 1) { _tile_zero(5); _tile_dpbf16ps(5, 1, 7); _tile_stored(5, c[1], 64); }
-    if (n > 2) { _tile_zero(6); _tile_dpbf16ps(6, 2, 7); _tile_stored(6, c[2], 64); }
+    _tile_zero(4); _tile_dpbf16ps(4, 0, 7); _tile_stored(4, c, 64);
+    if (n > 1) { _tile_zero(5); _tile_dpbf16ps(5, 1, 7); _tile_stored(5, c + 256, 64); }
+    if (n > 2) { _tile_zero(6); _tile_dpbf16ps(6, 2, 7); _tile_stored(6, c + 512, 64); }
   }
 }
 
-struct Pass {  // one pass: n chunks of m[i] rows
-  const uint16_t* limbs;  // chunk i: [3 m_i, K] bf16 at limbs + i * 3 * kChunk * K (limb-major)
-  const float* sums;      // [kPass * kChunk, K / 32]: each row's fp32 block sums
-  int m[kPass], n;
+// One pass of m rows. At most kChunked rows run in chunks of 5: chunk i's tile holds its rows'
+// limbs 1, 2, 3 one after another (3 m_i tile rows), one TDPBF16PS a block and group for 5 rows.
+// More rows (up to 16) take a tile a limb: three TDPBF16PS for 16 rows. Either way a row's limb
+// sum is one TDPBF16PS from zero over the same 32 products, so its bits do not depend on the mode.
+struct Pass {
+  const uint16_t* a[3];  // A tile t: rows[t] tile rows [rows[t], K] bf16 from a[t]
+  int rows[3], n;        // n A tiles
+  int m;                 // activation rows (chunk i's from i * kChunk)
+  const float* sums;     // [m, K / 32]: each row's fp32 block sums
   int64_t K;
 };
 
-// acc [kPass * kChunk, 16] += d * S + m * (block sum), for one group and block
-EAGLE_AMX inline void accumulate(const Pass& p, float (*c)[256], const float* dm, int64_t b, float* acc) {
+// rows x [m, K] -> limbs [3 m, K] bf16 (limb-major) and their fp32 block sums [m, K / 32]
+EAGLE_AMX void split(const float* x, int m, int64_t K, uint16_t* limbs, float* sums);
+
+// x [m, K] (m <= kRows) -> a pass, its limbs in limbs [3 m, K] and block sums in sums [m, K / 32]
+EAGLE_AMX Pass plan(const float* x, int m, int64_t K, uint16_t* limbs, float* sums) {
+  Pass p{};
+  p.m = m, p.sums = sums, p.K = K;
+  if (m <= kChunked) {
+    for (int r0 = 0; r0 < m; r0 += kChunk, ++p.n) {
+      const int rows = std::min(kChunk, m - r0);
+      p.a[p.n] = limbs + 3 * r0 * K;
+      p.rows[p.n] = 3 * rows;
+      split(x + r0 * K, rows, K, limbs + 3 * r0 * K, sums + r0 * (K / 32));
+    }
+  } else {
+    split(x, m, K, limbs, sums);
+    p.n = 3;
+    for (int l = 0; l < 3; ++l) {
+      p.a[l] = limbs + l * m * K;
+      p.rows[l] = m;
+    }
+  }
+  return p;
+}
+
+// acc row j += d * S + m * (its block sum), S = (S3 + S2) + S1 its limb sums in c
+EAGLE_AMX inline void add_row(const float* s1, const float* s2, const float* s3, __m512 d, __m512 m, float sum,
+                              float* a) {
+  const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(s3), _mm512_load_ps(s2)), _mm512_load_ps(s1));
+  _mm512_storeu_ps(a, _mm512_fmadd_ps(m, _mm512_set1_ps(sum), _mm512_fmadd_ps(d, s, _mm512_loadu_ps(a))));
+}
+
+// acc [m, 16] += d * S + m * (block sum), for one group and block
+EAGLE_AMX inline void accumulate(const Pass& p, const float* c, const float* dm, int64_t b, float* acc) {
   const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + kGroup);
+  const int64_t B = p.K / 32;
+  if (p.m > kChunked) {
+    for (int j = 0; j < p.m; ++j)
+      add_row(c + 16 * j, c + 256 + 16 * j, c + 512 + 16 * j, d, m, p.sums[j * B + b], acc + 16 * j);
+    return;
+  }
   for (int i = 0; i < p.n; ++i) {
-    const int rows = p.m[i];
+    const int rows = p.rows[i] / 3;
     for (int r = 0; r < rows; ++r) {
-      const float* s = c[i] + 16 * r;
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(s + 32 * rows), _mm512_load_ps(s + 16 * rows)),
-                                       _mm512_load_ps(s));
-      float* a = acc + 16 * (i * kChunk + r);
-      __m512 v = _mm512_fmadd_ps(d, sum, _mm512_loadu_ps(a));
-      v = _mm512_fmadd_ps(m, _mm512_set1_ps(p.sums[(i * kChunk + r) * (p.K / 32) + b]), v);
-      _mm512_storeu_ps(a, v);
+      const float* s = c + 256 * i + 16 * r;
+      const int j = i * kChunk + r;
+      add_row(s, s + 16 * rows, s + 32 * rows, d, m, p.sums[j * B + b], acc + 16 * j);
     }
   }
 }
 
-// groups g0 .. g1 of one pass -> out (row i * kChunk + r of the pass at out + (..) * N)
+// groups g0 .. g1 of one pass -> out (row j of the pass at out + j * N)
 EAGLE_AMX void run_pass(const Pass& p, const uint8_t* q, const float* scales, int64_t g0, int64_t g1,
                         float* out, int64_t N, float* acc) {
   const int64_t G = N / kGroup;
   alignas(64) uint16_t b[2][16 * 32];
-  alignas(64) float c[2][kPass][256];
+  alignas(64) float c[2][3 * 256];
   alignas(64) uint16_t table[32];
   for (int j = 0; j < 32; ++j) {
     const float f = static_cast<float>(j & 15);
@@ -138,15 +186,15 @@ EAGLE_AMX void run_pass(const Pass& p, const uint8_t* q, const float* scales, in
     table[j] = u >> 16;  // bf16(j & 15), exact
   }
   const __m512i bf16_of = _mm512_load_si512(table);
-  const int64_t B = p.K / 32, rows = kPass * kChunk, chunk = 3 * kChunk * p.K;
-  std::fill(acc, acc + (g1 - g0) * rows * 16, 0.0f);
+  const int64_t B = p.K / 32;
+  std::fill(acc, acc + (g1 - g0) * kRows * 16, 0.0f);
   for (int64_t k = 0; k < B; ++k) {
-    _tile_loadd(0, p.limbs + 32 * k, 2 * p.K);
-    if (p.n > 1) _tile_loadd(1, p.limbs + chunk + 32 * k, 2 * p.K);
-    if (p.n > 2) _tile_loadd(2, p.limbs + 2 * chunk + 32 * k, 2 * p.K);
+    _tile_loadd(0, p.a[0] + 32 * k, 2 * p.K);
+    if (p.n > 1) _tile_loadd(1, p.a[1] + 32 * k, 2 * p.K);
+    if (p.n > 2) _tile_loadd(2, p.a[2] + 32 * k, 2 * p.K);
     auto wq = [&](int64_t g) { return q + (k * G + g) * 256; };
     auto dm = [&](int64_t g) { return scales + (k * G + g) * 32; };
-    auto at = [&](int64_t g) { return acc + (g - g0) * rows * 16; };
+    auto at = [&](int64_t g) { return acc + (g - g0) * kRows * 16; };
     unpack(wq(g0), b[0], bf16_of);
     for (int64_t g = g0; g < g1; g += 2) {  // ping: g, pong: g + 1
       if (g + 1 < g1) unpack(wq(g + 1), b[1], bf16_of);
@@ -163,10 +211,8 @@ EAGLE_AMX void run_pass(const Pass& p, const uint8_t* q, const float* scales, in
     }
   }
   for (int64_t g = g0; g < g1; ++g)
-    for (int i = 0; i < p.n; ++i)
-      for (int r = 0; r < p.m[i]; ++r)
-        std::memcpy(out + (i * kChunk + r) * N + g * kGroup, acc + ((g - g0) * rows + i * kChunk + r) * 16,
-                    kGroup * sizeof(float));
+    for (int j = 0; j < p.m; ++j)
+      std::memcpy(out + j * N + g * kGroup, acc + ((g - g0) * kRows + j) * 16, kGroup * sizeof(float));
 }
 
 // rows x [m, K] -> limbs [3 m, K] bf16 (limb-major) and their fp32 block sums [m, K / 32]
@@ -189,20 +235,20 @@ EAGLE_AMX void split(const float* x, int m, int64_t K, uint16_t* limbs, float* s
 
 EAGLE_AMX void matmul(const float* x, int64_t R, int64_t K, const uint8_t* q, const float* scales,
                       int64_t N, float* out) {
-  const int64_t chunks = (R + kChunk - 1) / kChunk;
-  std::vector<uint16_t> limbs(chunks * 3 * kChunk * K);
-  std::vector<float> sums(chunks * kChunk * (K / 32));
-  for (int64_t c = 0; c < chunks; ++c)
-    split(x + c * kChunk * K, std::min<int64_t>(kChunk, R - c * kChunk), K, limbs.data() + c * 3 * kChunk * K,
-          sums.data() + c * kChunk * (K / 32));
+  const int64_t passes = (R + kRows - 1) / kRows;
+  const auto limbs = std::make_unique_for_overwrite<uint16_t[]>(3 * R * K);  // all written by split
+  const auto sums = std::make_unique_for_overwrite<float[]>(R * (K / 32));
+  std::vector<Pass> plans;
+  plans.reserve(passes);
+  for (int64_t r0 = 0; r0 < R; r0 += kRows)
+    plans.push_back(plan(x + r0 * K, std::min<int64_t>(kRows, R - r0), K, limbs.get() + 3 * r0 * K,
+                         sums.get() + r0 * (K / 32)));
   at::parallel_for(0, N / kGroup, 4, [&](int64_t g0, int64_t g1) {
     thread_local std::vector<float> acc;
-    acc.resize(std::max<size_t>(acc.size(), (g1 - g0) * kPass * kChunk * 16));
-    for (int64_t c = 0; c < chunks; c += kPass) {
-      Pass p{limbs.data() + c * 3 * kChunk * K, sums.data() + c * kChunk * (K / 32), {}, 0, K};
-      for (; p.n < kPass && c + p.n < chunks; ++p.n) p.m[p.n] = std::min<int64_t>(kChunk, R - (c + p.n) * kChunk);
-      configure(p.m, p.n);
-      run_pass(p, q, scales, g0, g1, out + c * kChunk * N, N, acc.data());
+    acc.resize(std::max<size_t>(acc.size(), (g1 - g0) * kRows * 16));
+    for (int64_t i = 0; i < passes; ++i) {
+      configure(plans[i].rows, plans[i].n);
+      run_pass(plans[i], q, scales, g0, g1, out + i * kRows * N, N, acc.data());
     }
     release();
   });

@@ -23,7 +23,7 @@ def test_a_q4_1_linear_on_amx_tiles_is_fp32_grade_and_the_same_for_any_rows_and_
     weight = gguf_weight("q4_1", *shape, seed=3)
     tiles = block_form(weight).amx()
     assert tiles.kind == "q4_1_amx" and tiles.runs(1000)
-    x = torch.randn(23, shape[1], generator=torch.Generator().manual_seed(2))
+    x = torch.randn(37, shape[1], generator=torch.Generator().manual_seed(2))
     x[4, :32] = 0  # an all-zero block
     x[5, 7] = 1e-30  # limbs below bf16's normal range
     bias = torch.randn(shape[0])
@@ -32,7 +32,7 @@ def test_a_q4_1_linear_on_amx_tiles_is_fp32_grade_and_the_same_for_any_rows_and_
     scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()
     assert ((out.double() - exact).abs() <= 4e-7 * scale).all()  # fp32 rounding, not bf16's
     alone = torch.cat([tiles.linear(x[r:r + 1], bias) for r in range(len(x))])
-    for rows in range(0, len(x) + 1):  # 1 .. 5 rows a tile, 10 a pass, more in passes
+    for rows in range(0, len(x) + 1):  # 1 .. 15 rows in chunks of 5, 16 a tile a limb, more in passes
         assert torch.equal(tiles.linear(x[:rows], bias), alone[:rows]), f"{rows} rows"
     threads = torch.get_num_threads()
     try:
