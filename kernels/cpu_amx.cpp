@@ -122,13 +122,31 @@ struct Pass {
 };
 
 // rows x [m, K] -> limbs [3 m, K] bf16 (limb-major) and their fp32 block sums [m, K / 32]
-EAGLE_AMX void split(const float* x, int m, int64_t K, uint16_t* limbs, float* sums);
+EAGLE_AMX void split(const float* x, int m, int64_t K, uint16_t* limbs, float* sums) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int r = 0; r < m; ++r)
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + r * K + k);
+      const __m512 x1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+      const __m512 rest = _mm512_sub_ps(v, x1);  // exact
+      const __m512 x2 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(rest), top));
+      const __m512 parts[3] = {x1, x2, _mm512_sub_ps(rest, x2)};  // the last exact and 8 bits wide
+      for (int l = 0; l < 3; ++l)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(limbs + (l * m + r) * K + k),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[l]), 16)));
+      if (k % 32 == 16)
+        sums[r * (K / 32) + k / 32] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + r * K + k - 16), v));
+    }
+}
+
+// whether a pass of m rows takes a tile a limb (else chunks of 5)
+constexpr bool tile_a_limb(int m) { return m > kChunked; }
 
 // x [m, K] (m <= kRows) -> a pass, its limbs in limbs [3 m, K] and block sums in sums [m, K / 32]
 EAGLE_AMX Pass plan(const float* x, int m, int64_t K, uint16_t* limbs, float* sums) {
   Pass p{};
   p.m = m, p.sums = sums, p.K = K;
-  if (m <= kChunked) {
+  if (!tile_a_limb(m)) {
     for (int r0 = 0; r0 < m; r0 += kChunk, ++p.n) {
       const int rows = std::min(kChunk, m - r0);
       p.a[p.n] = limbs + 3 * r0 * K;
@@ -157,7 +175,7 @@ EAGLE_AMX inline void add_row(const float* s1, const float* s2, const float* s3,
 EAGLE_AMX inline void accumulate(const Pass& p, const float* c, const float* dm, int64_t b, float* acc) {
   const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + kGroup);
   const int64_t B = p.K / 32;
-  if (p.m > kChunked) {
+  if (tile_a_limb(p.m)) {
     for (int j = 0; j < p.m; ++j)
       add_row(c + 16 * j, c + 256 + 16 * j, c + 512 + 16 * j, d, m, p.sums[j * B + b], acc + 16 * j);
     return;
@@ -213,24 +231,6 @@ EAGLE_AMX void run_pass(const Pass& p, const uint8_t* q, const float* scales, in
   for (int64_t g = g0; g < g1; ++g)
     for (int j = 0; j < p.m; ++j)
       std::memcpy(out + j * N + g * kGroup, acc + ((g - g0) * kRows + j) * 16, kGroup * sizeof(float));
-}
-
-// rows x [m, K] -> limbs [3 m, K] bf16 (limb-major) and their fp32 block sums [m, K / 32]
-EAGLE_AMX void split(const float* x, int m, int64_t K, uint16_t* limbs, float* sums) {
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int r = 0; r < m; ++r)
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m512 v = _mm512_loadu_ps(x + r * K + k);
-      const __m512 x1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
-      const __m512 rest = _mm512_sub_ps(v, x1);  // exact
-      const __m512 x2 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(rest), top));
-      const __m512 parts[3] = {x1, x2, _mm512_sub_ps(rest, x2)};  // the last exact and 8 bits wide
-      for (int l = 0; l < 3; ++l)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(limbs + (l * m + r) * K + k),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[l]), 16)));
-      if (k % 32 == 16)
-        sums[r * (K / 32) + k / 32] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + r * K + k - 16), v));
-    }
 }
 
 EAGLE_AMX void matmul(const float* x, int64_t R, int64_t K, const uint8_t* q, const float* scales,
