@@ -1,14 +1,14 @@
 """In-process timings of the CPU linears and the target forward (no server):
 
     python clients/forward_bench.py [--linears-only | --target-only] [--context N]
-                                    [--kernels-from REV]
+                                    [--kernels-from REV] [--rows 1 2 3 ...] [--repeats N]
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
 64 rows (torch's nn.Linear; CpuLinear's oneDNN packed fp32, its fp32 row kernel on dense weights
 and on GGUF blocks where this CPU has AVX2, the Q4_1 blocks on AMX tiles where it has them,
 those blocks on 8-bit activations, and its bf16 where oneDNN runs it),
 then the default target's forward in the server's `auto` dtype (fp32 where the CPU kernels build:
-the target is GGUF blocks) for 1 to 16 new tokens of one request at context 200, its linears
+the target is GGUF blocks) for 1 to 16 new tokens (--rows) of one request at context 200, its linears
 reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
 weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
 C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
@@ -168,8 +168,12 @@ if __name__ == "__main__":
     parser.add_argument("--target-only", action="store_true")
     parser.add_argument("--context", type=int, default=200, help="the request's context (target)")
     parser.add_argument("--kernels-from", metavar="REV", help="also time the kernels of this git revision")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 8, 16],
+                        help="the target's new tokens to time")
+    parser.add_argument("--repeats", type=int, default=7, help="the target's forwards per cell (median)")
     args = parser.parse_args()
     if not args.target_only:
         bench_linears()
     if not args.linears_only:
-        bench_target(context=args.context, kernels_from=args.kernels_from)
+        bench_target(tuple(args.rows), context=args.context, repeats=args.repeats,
+                     kernels_from=args.kernels_from)
