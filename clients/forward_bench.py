@@ -101,7 +101,10 @@ def kernels_at(rev: str):
     return build(folder, suffix="_" + git("rev-parse", "--short", rev).decode().strip())
 
 
-def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int = 7,
+TARGET_ROWS, TARGET_REPEATS = (1, 2, 3, 5, 8, 16), 7  # bench_target's defaults
+
+
+def bench_target(rows_list=TARGET_ROWS, context: int = 200, repeats: int = TARGET_REPEATS,
                  kernels_from: str | None = None) -> None:
     """Median time of the default target's forward (+ LM head, `auto` dtype) for `rows` new
     tokens of one request at `context`, its linears reading oneDNN's packed weights, the dense
@@ -152,12 +155,14 @@ def bench_target(rows_list=(1, 2, 3, 5, 8, 16), context: int = 200, repeats: int
                 {"bf16": bf16, "int8 activations": int8, "FMA kernels": fma}.get(name, model).logits(
                     batch, torch.arange(rows))
                 times.setdefault((rows, name), []).append(time.perf_counter() - start)
-    print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of 1 token)")
+    first = rows_list[0]  # the ratios' base (1 token unless --rows starts elsewhere)
+    print(f"{dtype} target forward, 1 request at context {context}: new tokens, ms (x of {first} token"
+          f"{'s' * (first != 1)})")
     for rows in rows_list:
         cells = []
         for name in names:
             t = sorted(times[(rows, name)])[repeats // 2] * 1e3
-            t1 = sorted(times[(1, name)])[repeats // 2] * 1e3
+            t1 = sorted(times[(first, name)])[repeats // 2] * 1e3
             cells.append(f"{name} {t:6.1f} ({t / t1:.2f}x)")
         print(f"{rows:4d}  " + "  ".join(cells), flush=True)
 
@@ -168,9 +173,10 @@ if __name__ == "__main__":
     parser.add_argument("--target-only", action="store_true")
     parser.add_argument("--context", type=int, default=200, help="the request's context (target)")
     parser.add_argument("--kernels-from", metavar="REV", help="also time the kernels of this git revision")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 8, 16],
-                        help="the target's new tokens to time")
-    parser.add_argument("--repeats", type=int, default=7, help="the target's forwards per cell (median)")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(TARGET_ROWS),
+                        help="the target's new tokens to time (ratios against the first)")
+    parser.add_argument("--repeats", type=int, default=TARGET_REPEATS,
+                        help="the target's forwards per cell (median)")
     args = parser.parse_args()
     if not args.target_only:
         bench_linears()
