@@ -1,10 +1,12 @@
 """Drafters compared in process: each prompt (or each group of --concurrency prompts, run as one
 batch) through plain decoding and the default draft policy with each drafter folder (a head,
-and its corpus-index.npz if it has one) in turn, greedy.
+and its corpus-index.npz if it has one) in turn, greedy (or --temperature T: sampled, each
+prompt with its own seed, so every config's output must still be plain sampling's).
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit] \\
-        [--kernels-from REV] [--fma-kernels] [--policy max_draft_batch=0 [lookup_tokens=8 ...]]
+        [--kernels-from REV] [--fma-kernels] [--policy max_draft_batch=0 [lookup_tokens=8 ...]] \\
+        [--temperature 0.7]
 
 Every drafter runs on its own engine over the same target in this process, one group at a time
 through every config (reversed every other group), so drift hits all alike; the speedups are
@@ -60,12 +62,15 @@ class Config:
     baseline: str = "plain"
     policy: EngineConfig | None = None
 
-    def generate(self, group: list[list[int]], max_tokens: int):
+    def generate(self, group: list[list[int]], max_tokens: int, temperature: float = 0.0,
+                 seeds: list[int] | None = None):
+        """seeds: one per prompt (sampled requests)"""
         self.engine.target.screen = self.screen
         cpu_stack.cpu_kernels = self.kernels
         self.engine.policy.config = self.policy or self.engine.config
-        return self.engine.generate(group, SamplingParams(max_tokens=max_tokens,
-                                                          num_speculative_tokens=self.k))
+        return self.engine.generate(group, [
+            SamplingParams(max_tokens=max_tokens, num_speculative_tokens=self.k, temperature=temperature,
+                           seed=seed) for seed in seeds or [None] * len(group)])
 
 
 def main(argv=None) -> None:
@@ -85,6 +90,8 @@ def main(argv=None) -> None:
                         "on the FMA kernels, not AMX tiles")
     p.add_argument("--policy", nargs="+", default=[], metavar="NAME=VALUE",
                    help="also the first drafter with each of these draft policy settings")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (prompt i with seed i) instead of greedy")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -116,9 +123,10 @@ def main(argv=None) -> None:
     groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
     for i, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
         outputs = {}
+        seeds = list(range(i * args.concurrency, i * args.concurrency + len(group)))
         for c in configs if i % 2 == 0 else configs[::-1]:  # drift hits all alike
             start = time.perf_counter()
-            outs = c.generate(group, args.max_tokens)
+            outs = c.generate(group, args.max_tokens, args.temperature, seeds)
             t = totals[c.name]
             t["s"] += time.perf_counter() - start
             t["tokens"] += sum(len(out.token_ids) for out in outs)

@@ -260,6 +260,20 @@ def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_deco
     assert all(line.endswith("output = its plain decoding's 2/2") for line in lines)
 
 
+@pytest.mark.parametrize("concurrency", ["1", "2"])
+def test_drafter_ab_samples_each_prompt_with_its_own_seed_so_every_config_equals_plain_sampling(
+        tiny_models, tmp_path, concurrency):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Count to five"}\n{"prompt": "Why?"}\n')
+    out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
+               "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
+               "--temperature", "0.9", "--concurrency", concurrency, "--policy", "sampled_lookup_tokens=0"])
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
+    assert len(lines) == 3
+    assert all(line.endswith("output = its plain decoding's 3/3") for line in lines)
+
+
 @pytest.mark.parametrize("setting", ["no_such_setting=1", "max_draft_batch=-1", "lookup_tokens"])
 def test_drafter_ab_refuses_a_policy_setting_it_cannot_apply(tiny_models, tmp_path, setting):
     prompts = tmp_path / "prompts.jsonl"
