@@ -1,7 +1,8 @@
 """Drafters compared in process: each prompt (or each group of --concurrency prompts, run as one
 batch) through plain decoding and the default draft policy with each drafter folder (a head,
 and its corpus-index.npz if it has one) in turn, greedy (or --temperature T: sampled, each
-prompt with its own seed, so every config's output must still be plain sampling's).
+prompt with its own seed, so under the shipped coupled verification every config's output must
+still be plain sampling's; `--policy sampled_verify=rejection` configs draw other tokens).
 
     python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit] \\
