@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import attend as cpu_attend, cpu_kernels
-from kernels.paged_attention import paged_attention_ref
+from kernels.attention_ref import paged_attention_ref
 
 
 ROWWISE_MAX_QUERIES = 16  # prefills of more tokens take the batched reference

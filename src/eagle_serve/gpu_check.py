@@ -41,7 +41,7 @@ from eagle_serve.local import build_local_engine  # noqa: E402
 from eagle_serve.requests import SamplingParams, acceptance_length  # noqa: E402
 from eagle_serve.settings import EngineConfig, ServingSettings, torch_dtype  # noqa: E402
 from eagle_serve.tokenization import encode_prompt, eos_token_ids, load_tokenizer  # noqa: E402
-from kernels import paged_attention as pa, rejection as rj  # noqa: E402
+from kernels import attention_ref, paged_attention as pa, rejection as rj  # noqa: E402
 from kernels import sampling as sm, warmup, workspace as ws  # noqa: E402
 
 GPU_CONFIG = paths.REPO_ROOT / "model_repository" / "spec_decode" / "configs" / "gpu.pbtxt"
@@ -111,8 +111,8 @@ def kernel_checks(q_heads, kv_heads, head_dim, vocab, dtype, device) -> dict[str
     scale = head_dim ** -0.5
     for mask in (None, tree):
         got = pa.paged_attention_triton(q, k_cache, v_cache, tables, cu, lens, scale, mask)
-        want = pa.paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, cu,
-                                      lens, scale, mask)
+        want = attention_ref.paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables,
+                                                 cu, lens, scale, mask)
         close("paged_attention" + (" (tree)" if mask is not None else ""), got, want,
               TOLERANCE[dtype])
     # top-p keeps ties differently from the reference's sort: float32 logits have none; the

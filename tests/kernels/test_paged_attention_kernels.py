@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import kernels.rowwise_attention as rowwise_module
+from kernels.attention_ref import paged_attention_ref
 from kernels.cpu import cpu_kernels
-from kernels.paged_attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from kernels.paged_attention import paged_attention, write_kv, write_kv_ref
 from kernels.rowwise_attention import paged_attention_rowwise
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 40
