@@ -239,16 +239,23 @@ def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
         assert (ROOT / "model_repository" / model / "configs" / "gpu.pbtxt").exists()
 
 
+def drafter_ab(tiny_models, tmp_path: Path, prompts: list[str], max_tokens: int, *args: str,
+               drafters: tuple[str, ...] = ("eagle3",)) -> subprocess.CompletedProcess:
+    """clients/drafter_ab.py on the tiny target and these tiny drafters, over these prompts."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return run([sys.executable, "clients/drafter_ab.py", "--prompts", str(path), "--max-tokens", str(max_tokens),
+                "--target", str(tiny_models["target"]), "--drafters", *(str(tiny_models[d]) for d in drafters),
+                *args])
+
+
 @pytest.mark.parametrize("concurrency", ["1", "2"])
 def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_decoding(
         tiny_models, tmp_path, concurrency):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Count to five"}\n')
-    out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
-               "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
-               str(tiny_models["eagle1"]), "--concurrency", concurrency]
-              + ["--every-logit", "--kernels-from", "HEAD", "--fma-kernels",
-                 "--policy", "max_draft_batch=1", "lookup_tokens=0"] * (concurrency == "2"))
+    out = drafter_ab(tiny_models, tmp_path, ["Hello there", "Count to five"], 12, "--concurrency", concurrency,
+                     *["--every-logit", "--kernels-from", "HEAD", "--fma-kernels",
+                       "--policy", "max_draft_batch=1", "lookup_tokens=0"] * (concurrency == "2"),
+                     drafters=("eagle3", "eagle1"))
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
     names = ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]
@@ -263,11 +270,8 @@ def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_deco
 @pytest.mark.parametrize("concurrency", ["1", "2"])
 def test_drafter_ab_samples_each_prompt_with_its_own_seed_so_every_config_equals_plain_sampling(
         tiny_models, tmp_path, concurrency):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "Count to five"}\n{"prompt": "Why?"}\n')
-    out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "12",
-               "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
-               "--temperature", "0.9", "--concurrency", concurrency, "--policy", "sampled_lookup_tokens=0"])
+    out = drafter_ab(tiny_models, tmp_path, ["Hello there", "Count to five", "Why?"], 12, "--temperature", "0.9",
+                     "--concurrency", concurrency, "--policy", "sampled_lookup_tokens=0")
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
     assert len(lines) == 3
@@ -276,10 +280,6 @@ def test_drafter_ab_samples_each_prompt_with_its_own_seed_so_every_config_equals
 
 @pytest.mark.parametrize("setting", ["no_such_setting=1", "max_draft_batch=-1", "lookup_tokens"])
 def test_drafter_ab_refuses_a_policy_setting_it_cannot_apply(tiny_models, tmp_path, setting):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Hello there"}\n')
-    out = run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts), "--max-tokens", "4",
-               "--target", str(tiny_models["target"]), "--drafters", str(tiny_models["eagle3"]),
-               "--policy", setting])
+    out = drafter_ab(tiny_models, tmp_path, ["Hello there"], 4, "--policy", setting)
     assert out.returncode != 0
     assert setting.split("=")[0] in out.stderr
