@@ -1,5 +1,6 @@
 """Triton-language kernels for the speculative-decoding hot paths, each beside its PyTorch
-reference (the reference is the specification; the kernel must agree with it), and C++ kernels
+reference (the reference is the specification; the kernel must agree with it; paged attention's
+has a module of its own, attention_ref.py, which the CPU's row-wise path shares), and C++ kernels
 for CPUs with AVX2 (cpu.cpp, loaded by cpu.py): the row-invariant fp32 linear and attention,
 and fp32's RMSNorm and RoPE + KV write.
 
