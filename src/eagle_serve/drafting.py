@@ -183,7 +183,7 @@ class DraftPolicy:
                                                     limit, CORPUS_MIN_PROB))
             reach = head_rate ** len(prefix)
             for p in filter(None, proposed):
-                keys = LookupScores.keys(p, req.matched)
+                keys = LookupScores.keys(p, req.rule)
                 chances = self.lookup_scores.chances(keys, measured)
                 n = sum(reach * c >= floor for c in chances)  # chances only fall along it
                 if n:

@@ -170,6 +170,12 @@ class Request:
         return self.greedy or self.coupled
 
     @property
+    def rule(self) -> str:
+        """How its drafts are verified: "greedy" (kept while they equal the argmax), "coupled"
+        (while they equal the target's seeded sample) or "rejection" (rejection sampling)."""
+        return "greedy" if self.greedy else "coupled" if self.coupled else "rejection"
+
+    @property
     def done(self) -> bool:
         return bool(self.finish_reason or self.error)
 

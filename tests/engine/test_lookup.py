@@ -203,10 +203,10 @@ def test_a_corpus_tokenized_with_another_vocabulary_is_refused(tiny_target):
 
 def test_a_branch_shares_the_nodes_that_hold_its_prefix_and_respects_the_budget():
     drafts, parents, keys = [5, 6, 7], [-1, -1, 0], [None] * 3   # the head's 5 -> 7, and 6
-    context = [LookupKey(True, CONTEXT, 3, place) for place in (1, 2, 3, 4)]
+    context = [LookupKey("greedy", CONTEXT, 3, place) for place in (1, 2, 3, 4)]
     assert merge_branch(drafts, parents, keys, Branch([5, 7, 8, 9], CONTEXT, context), 1) == 1
     assert (drafts, parents, keys) == ([5, 6, 7, 8], [-1, -1, 0, 2], [None] * 3 + [context[2]])
-    corpus = [LookupKey(True, CORPUS, 9, place) for place in (1, 2)]
+    corpus = [LookupKey("greedy", CORPUS, 9, place) for place in (1, 2)]
     assert merge_branch(drafts, parents, keys, Branch([4, 1], CORPUS, corpus), 5) == 2
     assert parents[-2:] == [-1, 4] and keys[-2:] == corpus
 
@@ -270,7 +270,7 @@ def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
     assert first_path(drafts, parents) == [2, 3, 8]
     assert policy.lookups(req, left=10, batch_size=1) == []     # (9, 1) never occurred before
     req.acceptance = AcceptanceRecord(reached=100, accepted=90)  # the head's path: mostly kept
-    keys = [LookupKey(True, CONTEXT, 3, place) for place in (1, 2, 3)]  # (1, 2, 3) matched
+    keys = [LookupKey("greedy", CONTEXT, 3, place) for place in (1, 2, 3)]  # (1, 2, 3) matched
     assert policy.lookups(req, left=10, batch_size=1, head_path=[2, 3]) == [
         Branch([2, 3, 4, 5, 9], CONTEXT, [None, None] + keys)]
     assert policy.lookups(req, left=4, batch_size=1, head_path=[2, 3])[0].tokens == [2, 3, 4, 5]
@@ -291,13 +291,13 @@ def test_a_greedy_request_beside_others_looks_up_while_it_may_draft_at_all():
                                              draft_call_cost=0.0, draft_step_cost=0.0))
     req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[7, 1, 2, 3, 4, 9, 1, 2])
     policy.setup_lookup(req)
-    found = [Branch([3, 4, 9], CONTEXT, [LookupKey(True, CONTEXT, 2, place) for place in (1, 2, 3)])]
+    found = [Branch([3, 4, 9], CONTEXT, [LookupKey("greedy", CONTEXT, 2, place) for place in (1, 2, 3)])]
     assert [policy.lookups(req, left=10, batch_size=b) for b in (1, 2, 4, 5)] == [found] * 3 + [[]]
 
 
 def test_a_lookup_tokens_chance_is_its_keys_measured_rate_times_its_predecessors_chance():
-    keys = LookupScores.keys(Proposal([5, 6, 7, 8, 9, 4], CONTEXT, (4,) * 6), matched=True)
-    assert keys == [LookupKey(True, CONTEXT, 4, min(place, MAX_PLACE)) for place in range(1, 7)]
+    keys = LookupScores.keys(Proposal([5, 6, 7, 8, 9, 4], CONTEXT, (4,) * 6), rule="greedy")
+    assert keys == [LookupKey("greedy", CONTEXT, 4, min(place, MAX_PLACE)) for place in range(1, 7)]
     scores = LookupScores()
     assert scores.chances(keys[:3]) == [PRIOR_RATE, PRIOR_RATE ** 2, PRIOR_RATE ** 3]
     for i in range(2000):  # the first place kept 3 times in 4, the second always
@@ -305,5 +305,30 @@ def test_a_lookup_tokens_chance_is_its_keys_measured_rate_times_its_predecessors
         scores.record(keys[1], True)
     assert scores.chances(keys[:3]) == pytest.approx([0.75, 0.75, 0.75 * PRIOR_RATE], abs=0.01)
     assert scores.chances(keys[:3], measured=False) == [PRIOR_RATE, PRIOR_RATE ** 2, PRIOR_RATE ** 3]
-    other = LookupScores.keys(Proposal([5], CORPUS, (9,)), matched=False)  # rejection-sampled
+    other = LookupScores.keys(Proposal([5], CORPUS, (9,)), rule="rejection")
     assert scores.chances(other) == [PRIOR_RATE]
+
+
+def test_greedy_and_coupled_requests_lookups_are_scored_apart():
+    """A coupled sampled request's lookup drafts must equal a sample, not the argmax: they are
+    kept less often, so the rate a greedy request's drafts earned must not price them (nor the
+    other way round) on a server running both."""
+    from eagle_serve.drafting import DraftPolicy
+    from eagle_serve.requests import Request
+    from eagle_serve.settings import EngineConfig
+
+    policy = DraftPolicy(EngineConfig.served(lookup_tokens=3, sampled_lookup_tokens=3,
+                                             sampled_verify="coupled"))
+    tokens = [7, 1, 2, 3, 4, 9, 1, 2]  # (1, 2) occurred before: 3, 4, 9 follow it
+    greedy, coupled = (Request(name, 2, params, k=8, seed=0, stop=None, tokens=list(tokens))
+                       for name, params in (("g", SamplingParams()),
+                                            ("c", SamplingParams(temperature=0.7, seed=1))))
+    for req in (greedy, coupled):
+        policy.setup_request(req)
+    assert (greedy.rule, coupled.rule) == ("greedy", "coupled")
+    first = policy.lookups(greedy, left=10, batch_size=1)[0].keys[0]
+    for _ in range(2000):  # the greedy request's first context token never kept
+        policy.lookup_scores.record(first, False)
+    assert policy.lookups(greedy, left=10, batch_size=1) == []
+    branch, = policy.lookups(coupled, left=10, batch_size=1)
+    assert branch.tokens[0] == 3 and branch.keys[0] == replace(first, rule="coupled")

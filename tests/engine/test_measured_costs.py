@@ -132,7 +132,7 @@ def score(policy: DraftPolicy, rate_in_10: int, drafts: int = 200) -> None:
     place, rate_in_10 in 10 of them accepted."""
     for place in range(1, MAX_PLACE + 1):
         for i in range(drafts):
-            policy.lookup_scores.record(LookupKey(True, CONTEXT, 2, place), i % 10 < rate_in_10)
+            policy.lookup_scores.record(LookupKey("greedy", CONTEXT, 2, place), i % 10 < rate_in_10)
 
 
 def test_dear_rows_stop_lookups_before_any_drafter_call_is_measured():
@@ -223,8 +223,8 @@ def test_verification_counts_each_reached_lookup_draft_by_its_key_accepted_or_no
 
     req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[1, 2])
     req.lookup_scores = LookupScores()
-    context = [LookupKey(True, CONTEXT, 5, place) for place in (1, 2)]
-    corpus = LookupKey(True, CORPUS, 8, 1)
+    context = [LookupKey("greedy", CONTEXT, 5, place) for place in (1, 2)]
+    corpus = LookupKey("greedy", CORPUS, 8, 1)
     # head chain 0 -> 1; a context branch 2 -> 3 from the root; a corpus draft 4 below head node 0
     req.parents, req.draft_keys = [-1, 0, -1, 2, 0], [None, None, context[0], context[1], corpus]
     _observe_lookups(req, path=[0, 4])  # kept: head 0, then the corpus draft below it
