@@ -29,6 +29,14 @@ def generate(*args: str) -> subprocess.CompletedProcess:
     return run([sys.executable, "clients/generate.py", *args])
 
 
+def prompts_file(tmp_path: Path, prompts: list[str] = ("Name a color.", "Write a haiku about the sea.")
+                 ) -> Path:
+    """A prompts.jsonl of these prompts (the clients' --prompts format) in tmp_path."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
 @pytest.mark.server
 def test_generate_cli_prints_the_answer_over_grpc_stream_http_and_sse(triton_server):
     server = triton_server("default")
@@ -66,8 +74,7 @@ def test_generate_cli_exits_nonzero_with_the_servers_error(triton_server):
 def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_server, tiny_models,
                                                                       tmp_path):
     server = tiny_server(triton_server, tiny_models, "eagle3")  # its default k is 3
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Write a haiku about the sea."}\n')
+    prompts = prompts_file(tmp_path)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     got = run([sys.executable, "clients/bench.py", "--prompts", str(prompts), "--max-tokens", "12",
                "--modes", ",".join(MODES), "--json", str(out), "--plot", str(png),
@@ -98,8 +105,7 @@ def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_serv
 def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_length_sampled_output(
         triton_server, tiny_models, tmp_path):
     server = tiny_server(triton_server, tiny_models, "eagle3")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Write a haiku about the sea."}\n')
+    prompts = prompts_file(tmp_path)
     out, png = tmp_path / "matrix.json", tmp_path / "matrix.png"
     got = run([sys.executable, "clients/speedup_matrix.py", "--prompts", str(prompts),
                "--temperatures", "0", "0.7", "--concurrency", "1", "2", "--max-tokens", "8",
@@ -120,8 +126,7 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_le
 def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(triton_server, tiny_models,
                                                                              tmp_path):
     server = tiny_server(triton_server, tiny_models, "eagle3")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Write a haiku about the sea."}\n')
+    prompts = prompts_file(tmp_path)
     out = tmp_path / "curve.json"
     got = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--max-tokens", "8",
                "--configs", "0", "default", "hf", "--url", server.grpc_url, "--json", str(out),
@@ -153,8 +158,7 @@ def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
 @pytest.mark.server
 def test_bench_sweeps_draft_trees_with_the_same_greedy_output(triton_server, tiny_models, tmp_path):
     server = tiny_server(triton_server, tiny_models, "eagle3")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "List three prime numbers."}\n')
+    prompts = prompts_file(tmp_path, ["Name a color.", "List three prime numbers."])
     out = tmp_path / "bench.json"
     got = run([sys.executable, "clients/bench.py", "--prompts", str(prompts), "--max-tokens", "10",
                "--modes", "vanilla,eagle", "--json", str(out), "--url", server.grpc_url,
@@ -242,9 +246,7 @@ def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
 def drafter_ab(tiny_models, tmp_path: Path, prompts: list[str], max_tokens: int, *args: str,
                drafters: tuple[str, ...] = ("eagle3",)) -> subprocess.CompletedProcess:
     """clients/drafter_ab.py on the tiny target and these tiny drafters, over these prompts."""
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return run([sys.executable, "clients/drafter_ab.py", "--prompts", str(path), "--max-tokens", str(max_tokens),
+    return run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts_file(tmp_path, prompts)), "--max-tokens", str(max_tokens),
                 "--target", str(tiny_models["target"]), "--drafters", *(str(tiny_models[d]) for d in drafters),
                 *args])
 
