@@ -174,13 +174,12 @@ void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
 // weight vector in registers: one tile of all rows, 2 weight rows wide where the registers allow
 // (measured on an AVX2 CPU, an AMD EPYC: SmolLM2-135M's Q4_1 layer linears at 4 rows 25% faster
 // 2 wide than 1 wide, at 5 rows 14%, at 6 rows 7% slower; its Q8_0 LM head at 4 rows alike, at 5
-// rows 8% slower). More rows than a tile holds (AVX2's 16 registers: 6; AVX-512's 32: 12) run in
-// chunks of that many, each rebuilding the weight again: on a Xeon with AVX-512 faster than one
-// pass of all rows over a copy rebuilt into L1 (tried), and than the dense weight at any row
-// count (`clients/forward_bench.py --linears-only`, SmolLM2-135M's linears at 8 / 16 / 64 rows:
-// 13.6 / 30.7 / 102 ms against 38.3 / 57.7 / 156); built for AVX2 there, 8 / 16 / 32 rows 27.8 /
-// 50.7 / 92.4 ms against 44.0 / 57.4 / 82.3 (hence kMaxBlockRows).
-constexpr int64_t kTileRows = kLanes == 16 ? 12 : 6;
+// rows 8% slower). A tile holds up to 7 rows on AVX2 (16 registers: 7 accumulators, the weight
+// vector and its rebuild; 8 rows spill, 1.2-1.4x the time of two passes) and 12 on AVX-512 (32
+// registers). More rows than that run in chunks: on AVX-512 a pass over the weight per chunk,
+// each rebuilding the weight again (on a Xeon with AVX-512 faster than one pass of all rows over
+// a copy rebuilt into L1, tried); on AVX2 in one pass (qmatmul_chunks).
+constexpr int64_t kTileRows = kLanes == 16 ? 12 : 7;
 
 template <typename W>
 void qmatmul_rows(const float* x, int64_t R, int64_t K, const W& w, int64_t N, float* out) {
@@ -192,8 +191,8 @@ void qmatmul_rows(const float* x, int64_t R, int64_t K, const W& w, int64_t N, f
     case 4: qmatmul<4, wide >= 4 ? 2 : 1>(x, K, w, N, out); break;
     case 5: qmatmul<5, wide >= 5 ? 2 : 1>(x, K, w, N, out); break;
     case 6: qmatmul<6, wide >= 6 ? 2 : 1>(x, K, w, N, out); break;
+    case 7: qmatmul<7, wide >= 7 ? 2 : 1>(x, K, w, N, out); break;
 #ifdef EAGLE_AVX512
-    case 7: qmatmul<7, 2>(x, K, w, N, out); break;
     case 8: qmatmul<8, 2>(x, K, w, N, out); break;
     case 9: qmatmul<9, 2>(x, K, w, N, out); break;
     case 10: qmatmul<10, 2>(x, K, w, N, out); break;
@@ -203,15 +202,51 @@ void qmatmul_rows(const float* x, int64_t R, int64_t K, const W& w, int64_t N, f
   }
 }
 
+#ifndef EAGLE_AVX512
+// AVX2, more rows than a tile holds: one pass over the weight, each weight row taking every chunk
+// of rows in turn (as few chunks as tiles allow, as even as they divide, 1 wide), so a chunk past
+// the first rebuilds the row from L1 instead of streaming the whole weight from memory again (the
+// default target's linears on a 2-core AMD EPYC, against a pass per chunk, interleaved: 8 / 10 /
+// 12 rows 0.81x / 0.78x / 0.85x the time; 2 wide chunks of up to 5 rows 0.93-0.97x at 8-11)
+template <typename W>
+void qmatmul_chunks(const float* x, int64_t R, int64_t K, const W& w, int64_t N, float* out) {
+  const int64_t chunks = (R + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t c = 0, r = 0; c < chunks; ++c) {
+        const int64_t rows = (R - r) / (chunks - c);
+        const float* xc = x + r * K;
+        float* oc = out + r * N + n;
+        switch (rows) {
+          case 1: qtile<1, 1>(xc, w, n, K, oc, N); break;
+          case 2: qtile<2, 1>(xc, w, n, K, oc, N); break;
+          case 3: qtile<3, 1>(xc, w, n, K, oc, N); break;
+          case 4: qtile<4, 1>(xc, w, n, K, oc, N); break;
+          case 5: qtile<5, 1>(xc, w, n, K, oc, N); break;
+          case 6: qtile<6, 1>(xc, w, n, K, oc, N); break;
+          case 7: qtile<7, 1>(xc, w, n, K, oc, N); break;
+        }
+        r += rows;
+      }
+  });
+}
+#endif
+
 template <typename W>
 torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
                       const c10::optional<torch::Tensor>& bias) {
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t R = rows.size(0), K = rows.size(1);
   auto out = torch::empty({R, N}, x.options());
+  const float* xp = rows.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#ifdef EAGLE_AVX512  // a pass over the weight per 12 rows (the one-pass chunks are unmeasured there)
   for (int64_t r = 0; r < R; r += kTileRows)
-    qmatmul_rows(rows.data_ptr<float>() + r * K, std::min(kTileRows, R - r), K, w, N,
-                 out.data_ptr<float>() + r * N);
+    qmatmul_rows(xp + r * K, std::min(kTileRows, R - r), K, w, N, op + r * N);
+#else
+  if (R <= kTileRows) qmatmul_rows(xp, R, K, w, N, op);
+  else qmatmul_chunks(xp, R, K, w, N, op);
+#endif
   if (bias.has_value()) out.add_(*bias);
   auto shape = x.sizes().vec();
   shape.back() = N;
