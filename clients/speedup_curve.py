@@ -68,20 +68,26 @@ def hf_peer(folder: str, dtype: str):
 
 def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str,
             concurrency: int = 1, sampling: dict | None = None, seeded: bool = True,
-            hf: tuple[str, str] | None = None, ignore_eos: bool = False) -> dict:
+            hf: tuple[str, str] | None = None, ignore_eos: bool = False, mixed: bool = False) -> dict:
     """Each group of `concurrency` prompts runs through every config in turn (its prompts as
     concurrent streams); tokens/s = a config's tokens over its groups' wall time. Sampled
     requests carry a seed per prompt unless `seeded` is false. hf: (target folder, dtype) of the
     `hf` config (default: the default target in bf16). ignore_eos: every request emits
     max_tokens (as vLLM's and SGLang's serving benchmarks' --ignore-eos), so that configs whose
     sampled outputs differ still run the same work: a group's wall time is its longest stream's,
-    and a group whose other streams stop early emits fewer tokens in that time."""
+    and a group whose other streams stop early emits fewer tokens in that time. mixed: every
+    other stream of a group (the 2nd, 4th, ...) is sampled, the rest greedy, as traffic of both
+    kinds shares the batch; only the greedy streams' outputs are compared (`compared`), and
+    `speedup_by_kind` is each kind's tokens over its requests' latencies against the first
+    config's (a group's wall time is its slowest stream's: where one kind gains and the other
+    waits on its verify rows, the group's speedup shows the slower kind, the latencies both)."""
     sampling = sampling or {}
     if PEER in configs and concurrency != 1:
         raise SystemExit(f"the {PEER} peer runs one stream: use --concurrency 1")
     peer = hf_peer(*(hf or (str(paths.default_target_dir()), "bfloat16"))) if PEER in configs else None
     totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0,
-                  "same_as_first": 0, "requests": 0} for c in configs}
+                  "same_as_first": 0, "compared": 0, "requests": 0} for c in configs}
+    per_kind = {c: {k: [0, 0.0] for k in ("greedy", "sampled")} for c in configs}  # tokens, s
     def generate(config: str, prompt: str, **params):
         if config == PEER:
             return peer(prompt, **params)
@@ -90,6 +96,9 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     for c in configs:  # warm-up, untimed
         generate(c, prompts[0], max_tokens=8)
     eos = {"ignore_eos": True} if ignore_eos else {}
+
+    def stream_sampling(i: int) -> dict:  # the i-th stream of a group
+        return sampling if not mixed or i % 2 else {}
     groups = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
     with futures.ThreadPoolExecutor(concurrency) as pool:
         for n, group in enumerate(tqdm(groups, desc="prompt groups x configs", unit="group")):
@@ -97,8 +106,9 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
             for c in (configs if n % 2 == 0 else configs[::-1]):  # drift within a group cancels
                 def run(i_prompt):
                     i, prompt = i_prompt
+                    params = stream_sampling(i)
                     return generate(c, prompt, max_tokens=max_tokens, **eos,
-                                    **({"seed": 1000 * n + i} if sampling and seeded else {}), **sampling)
+                                    **({"seed": 1000 * n + i} if params and seeded else {}), **params)
                 start = time.perf_counter()
                 gens = list(pool.map(run, enumerate(group)))
                 wall = time.perf_counter() - start
@@ -109,19 +119,27 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
                 t = totals[c]
                 t["seconds"] += wall if concurrency > 1 else gens[0].latency_s
                 t["requests"] += len(gens)
-                for gen in gens:
+                for i, gen in enumerate(gens):
+                    kind = per_kind[c]["sampled" if stream_sampling(i) else "greedy"]
+                    kind[0], kind[1] = kind[0] + len(gen.output_ids), kind[1] + gen.latency_s
                     t["tokens"] += len(gen.output_ids)
                     t["rounds"] += gen.counters.get("num_rounds", 0)
                     t["accepted"] += gen.counters.get("num_accepted_tokens", 0)
                     t["drafted"] += gen.counters.get("num_draft_tokens", 0)
+            compared = [i for i in range(len(group)) if not (mixed and stream_sampling(i))]
             for c, outs in outputs.items():
-                totals[c]["same_as_first"] += sum(o == f for o, f in zip(outs, outputs[configs[0]]))
+                totals[c]["same_as_first"] += sum(outs[i] == outputs[configs[0]][i] for i in compared)
+                totals[c]["compared"] += len(compared)
     base = totals[configs[0]]["tokens"] / totals[configs[0]]["seconds"]
     out = {}
     for c, t in totals.items():
         tps = t["tokens"] / t["seconds"]
         out[c] = {**t, "tokens_per_s": round(tps, 2), "speedup": round(tps / base, 3),
                   "tau": round(acceptance_length(t["accepted"], t["rounds"]), 3)}
+        if mixed:  # each kind's tokens over its requests' latencies, against the first config's
+            out[c]["speedup_by_kind"] = {
+                k: round(tokens / s / (per_kind[configs[0]][k][0] / per_kind[configs[0]][k][1]), 3)
+                for k, (tokens, s) in per_kind[c].items()}
     return out
 
 
@@ -161,6 +179,8 @@ def main(argv=None) -> None:
                    help="> 0: sampled requests, seeded per prompt (outputs differ by config)")
     p.add_argument("--unseeded", action="store_true",
                    help="sampled requests without a seed (as most chat clients send them)")
+    p.add_argument("--mixed", action="store_true", help="every other stream of a group sampled at "
+                   "--temperature, the rest greedy (--concurrency 2 or more)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="every request emits --max-tokens (sampled outputs differ by config)")
     p.add_argument("--hf-target", default=str(paths.default_target_dir()),
@@ -169,14 +189,17 @@ def main(argv=None) -> None:
     p.add_argument("--metrics-url", help="also report the accepted tokens per draft source "
                    "(the server's Prometheus counters, before and after)")
     args = p.parse_args(argv)
+    if args.mixed and (args.concurrency < 2 or not args.temperature):
+        raise SystemExit("--mixed needs --concurrency 2 or more and a --temperature above 0")
+    kind = f"temperature {args.temperature}" if args.temperature else "greedy"
     args.title = args.title or (f"speculative vs plain decoding, {args.concurrency} stream(s), "
-                                + (f"temperature {args.temperature}" if args.temperature else "greedy"))
+                                + (f"greedy + {kind}" if args.mixed else kind))
     prompts = read_prompts(args.prompts)
     before = source_counts(args.metrics_url) if args.metrics_url else None
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
                       {"temperature": args.temperature} if args.temperature else None,
                       seeded=not args.unseeded, hf=(args.hf_target, args.hf_dtype),
-                      ignore_eos=args.ignore_eos)
+                      ignore_eos=args.ignore_eos, mixed=args.mixed)
     if before is not None:
         after = source_counts(args.metrics_url)
         results["accepted_by_source"] = {s: after[s] - before[s] for s in after}
@@ -185,7 +208,8 @@ def main(argv=None) -> None:
     for c in args.configs:
         r = results[c]
         print(f"{c:>10}: {r['tokens_per_s']:6.2f} tok/s  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}"
-              f"  output same as {args.configs[0]}: {r['same_as_first']}/{r['requests']}")
+              f"  output same as {args.configs[0]}: {r['same_as_first']}/{r['compared']}"
+              + "".join(f"  {k} {x:.2f}x" for k, x in r.get("speedup_by_kind", {}).items()))
     if before is not None:
         print("accepted draft tokens by source:", results["accepted_by_source"])
     if args.plot:

@@ -1,5 +1,5 @@
 """Speculative against plain decoding in every serving case: greedy and sampled, 1/4/8 streams,
-64 and 128 tokens, through a running server.
+64 and 128 tokens, and greedy and sampled streams mixed in one batch, through a running server.
 
     python clients/speedup_matrix.py --prompts clients/prompts/heldout.jsonl \\
         --json docs/matrix.json --plot docs/matrix.png
@@ -14,6 +14,10 @@ Sampled requests carry no seed unless --seeded, and ignore EOS: their outputs di
 and a group of streams runs as long as its longest one, so a config whose other streams happened
 to stop early would seem slower for doing less work (plain decoding against a server drafting
 nothing measured 0.92x at 4 streams that way).
+A mixed case ("greedy + temperature T") runs every other stream of a group sampled at T, the rest
+greedy (ignoring EOS too), for each concurrency above 1 (--mixed-temperatures; none to leave it out);
+its row adds each kind's speedup by its requests' latencies (a group lasts as long as its slowest
+stream, so the group's speedup is the slower kind's).
 Prints a Markdown table (speedup, tau, and for greedy and seeded cases whether every output
 equals plain decoding's); the JSON is rewritten after each case.
 """
@@ -28,6 +32,7 @@ from eagle_serve.paths import read_prompts
 from speedup_curve import measure  # this script's folder is on sys.path
 
 TEMPERATURES = (0.0, 0.7)
+MIXED_TEMPERATURES = (0.7,)  # the sampled half of a mixed case's streams
 CONCURRENCY = (1, 4, 8)
 MAX_TOKENS = (64, 128)
 MIN_GROUPS = 10  # groups of concurrent prompts per case (an even number balances the order)
@@ -41,9 +46,25 @@ def case_prompts(prompts: list[str], concurrency: int) -> list[str]:
     return prompts * -(-MIN_GROUPS * concurrency // len(prompts))
 
 
-def case_name(temperature: float, concurrency: int, max_tokens: int) -> str:
+def case_name(temperature: float, concurrency: int, max_tokens: int, mixed: bool = False) -> str:
     kind = f"temperature {temperature:g}" if temperature else "greedy"
+    kind = f"greedy + {kind}" if mixed else kind
     return f"{kind}, {concurrency} stream{'s' if concurrency > 1 else ''}, {max_tokens} tokens"
+
+
+def cases(args) -> list[tuple[float, int, int, bool]]:
+    """(temperature, concurrency, max_tokens, mixed) of every case, the mixed ones last."""
+    plain = [(t, c, m, False) for t, c, m in itertools.product(
+        args.temperatures, args.concurrency, args.max_tokens)]
+    mixed = [(t, c, m, True) for t, c, m in itertools.product(
+        args.mixed_temperatures, args.concurrency, args.max_tokens) if c > 1]
+    return plain + mixed
+
+
+def by_kind(result: dict) -> str:
+    """A mixed case's speedup of each kind's requests (their latencies), else ''."""
+    kinds = result.get("speedup_by_kind")
+    return f"; greedy {kinds['greedy']:.2f}x, sampled {kinds['sampled']:.2f}x" if kinds else ""
 
 
 def table(results: dict, configs: list[str]) -> str:
@@ -51,9 +72,12 @@ def table(results: dict, configs: list[str]) -> str:
     lines = [head + " | output = plain |", "|---" * (len(configs) + 2) + "|"]
     for name, r in results.items():
         base = r[configs[0]]
-        cells = [f"{r[c]['speedup']:.2f}x ({r[c]['tau']:.2f})" for c in configs[1:]]
-        same = ("(sampled)" if r["temperature"] and not r.get("seeded") else  # else: must be equal
-                ", ".join(f"{r[c]['same_as_first']}/{r[c]['requests']}" for c in configs[1:]))
+        cells = [f"{r[c]['speedup']:.2f}x ({r[c]['tau']:.2f})" + by_kind(r[c]) for c in configs[1:]]
+        same = ", ".join(f"{r[c]['same_as_first']}/{r[c]['compared']}" for c in configs[1:])
+        if r.get("mixed"):  # only its greedy streams' outputs are compared
+            same = f"{same} greedy"
+        elif r["temperature"] and not r.get("seeded"):  # else: every output must be equal
+            same = "(sampled)"
         lines.append(f"| {name} | {base['tokens_per_s']:.2f} | " + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
 
@@ -71,12 +95,20 @@ def plot(results: dict, configs: list[str], path: Path) -> None:
         for bar, n in zip(bars, names):
             ax.annotate(f"{results[n][c]['speedup']:.2f}", (bar.get_x() + bar.get_width() / 2,
                         bar.get_height()), ha="center", va="bottom", fontsize=7)
+        mixed = [(x, results[n][c]["speedup_by_kind"]) for x, n in zip(xs, names)
+                 if "speedup_by_kind" in results[n][c]]
+        for kind, marker in (("greedy", "^"), ("sampled", "v")):  # a mixed case's kinds
+            if mixed:
+                ax.scatter([x for x, _ in mixed], [k[kind] for _, k in mixed], marker=marker,
+                           color="black", zorder=3, s=18,
+                           label=f"{c}: its {kind} requests (latency)" if j == 0 else None)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
-    ax.set_xticklabels([n.replace("temperature ", "T=").replace(", ", "\n") for n in names], fontsize=7)
+    ax.set_xticklabels([n.replace("temperature ", "T=").replace(" + ", "+").replace(", ", "\n")
+                        for n in names], fontsize=7)
     ax.set_ylabel(f"speedup vs {configs[0]} (tokens/s ratio)")
     ax.set_title("speculative vs plain decoding per serving case")
-    ax.legend()
+    ax.legend(loc="lower center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -86,9 +118,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", required=True)
     p.add_argument("--configs", nargs="+", default=["0", "default"], help="the first is the baseline")
-    p.add_argument("--temperatures", type=float, nargs="+", default=TEMPERATURES)
+    p.add_argument("--temperatures", type=float, nargs="*", default=TEMPERATURES,
+                   help="greedy (0) and sampled cases (none: the mixed cases alone)")
     p.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCY)
     p.add_argument("--max-tokens", type=int, nargs="+", default=MAX_TOKENS)
+    p.add_argument("--mixed-temperatures", type=float, nargs="*", default=MIXED_TEMPERATURES,
+                   help="a mixed case per value and concurrency above 1 (none: no mixed cases)")
     p.add_argument("--url", default="localhost:8001")
     p.add_argument("--model", default="spec_decode", help="ensemble or spec_decode")
     p.add_argument("--seeded", action="store_true", help="sampled requests carry a seed (coupled, "
@@ -98,16 +133,15 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     prompts = read_prompts(args.prompts)
     results = {}
-    for temperature, concurrency, max_tokens in itertools.product(
-            args.temperatures, args.concurrency, args.max_tokens):
-        name = case_name(temperature, concurrency, max_tokens)
+    for temperature, concurrency, max_tokens, mixed in cases(args):
+        name = case_name(temperature, concurrency, max_tokens, mixed)
         print(name, flush=True)
         sampling = {"temperature": temperature} if temperature else None
         r = measure(args.url, case_prompts(prompts, concurrency), args.configs, max_tokens, args.model,
-                    concurrency, sampling, args.seeded, ignore_eos=bool(temperature))
+                    concurrency, sampling, args.seeded, ignore_eos=bool(temperature), mixed=mixed)
         results[name] = {**r, "temperature": temperature, "concurrency": concurrency,
                          "max_tokens": max_tokens, "seeded": bool(temperature and args.seeded),
-                         "ignore_eos": bool(temperature)}
+                         "ignore_eos": bool(temperature), "mixed": mixed}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(table(results, args.configs))

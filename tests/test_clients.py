@@ -112,15 +112,20 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_le
                "--url", server.grpc_url, "--json", str(out), "--plot", str(png)])
     assert got.returncode == 0, got.stderr[-3000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 4 and all(c["default"]["tokens_per_s"] > 0 for c in cases.values())
+    assert len(cases) == 5 and all(c["default"]["tokens_per_s"] > 0 for c in cases.values())
     requests = {1: 2, 2: 20}  # 2 streams: the prompts 10 times over, 10 groups (MIN_GROUPS)
     greedy = [c for c in cases.values() if not c["temperature"]]
-    assert all(c["default"]["same_as_first"] == c["default"]["requests"] == requests[c["concurrency"]]
+    assert all(c["default"]["same_as_first"] == c["default"]["compared"] == requests[c["concurrency"]]
                for c in greedy)
     sampled = [c for c in cases.values() if c["temperature"]]
     assert all(c[k]["tokens"] == requests[c["concurrency"]] * 8
                for c in sampled for k in ("0", "default"))  # EOS ignored
+    mixed = cases["greedy + temperature 0.7, 2 streams, 8 tokens"]  # 1 greedy + 1 sampled stream
+    assert mixed["mixed"] and mixed["default"]["same_as_first"] == mixed["default"]["compared"] == 10
+    assert set(mixed["default"]["speedup_by_kind"]) == {"greedy", "sampled"}
+    assert all(x > 0 for x in mixed["default"]["speedup_by_kind"].values())
     assert "| greedy, 2 streams, 8 tokens |" in got.stdout and png.stat().st_size > 10_000
+    assert "| greedy + temperature 0.7, 2 streams, 8 tokens |" in got.stdout
 
 
 def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(triton_server, tiny_models,
@@ -139,6 +144,9 @@ def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(tr
     refused = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--configs",
                    "0", "hf", "--concurrency", "2", "--url", server.grpc_url, "--json", str(out)])
     assert refused.returncode != 0 and "one stream" in refused.stderr
+    lone_mixed = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--mixed",
+                      "--temperature", "0.7", "--url", server.grpc_url, "--json", str(out)])
+    assert lone_mixed.returncode != 0 and "--concurrency 2 or more" in lone_mixed.stderr
 
 
 def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
