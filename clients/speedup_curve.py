@@ -143,6 +143,12 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     return out
 
 
+def by_kind(result: dict) -> str:
+    """A mixed case's speedup of each kind's requests (their latencies), else ''."""
+    kinds = result.get("speedup_by_kind")
+    return f"; greedy {kinds['greedy']:.2f}x, sampled {kinds['sampled']:.2f}x" if kinds else ""
+
+
 def plot(results: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -209,7 +215,7 @@ def main(argv=None) -> None:
         r = results[c]
         print(f"{c:>10}: {r['tokens_per_s']:6.2f} tok/s  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}"
               f"  output same as {args.configs[0]}: {r['same_as_first']}/{r['compared']}"
-              + "".join(f"  {k} {x:.2f}x" for k, x in r.get("speedup_by_kind", {}).items()))
+              + by_kind(r))
     if before is not None:
         print("accepted draft tokens by source:", results["accepted_by_source"])
     if args.plot:

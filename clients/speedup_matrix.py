@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 from eagle_serve.paths import read_prompts
-from speedup_curve import measure  # this script's folder is on sys.path
+from speedup_curve import by_kind, measure  # this script's folder is on sys.path
 
 TEMPERATURES = (0.0, 0.7)
 MIXED_TEMPERATURES = (0.7,)  # the sampled half of a mixed case's streams
@@ -59,12 +59,6 @@ def cases(args) -> list[tuple[float, int, int, bool]]:
     mixed = [(t, c, m, True) for t, c, m in itertools.product(
         args.mixed_temperatures, args.concurrency, args.max_tokens) if c > 1]
     return plain + mixed
-
-
-def by_kind(result: dict) -> str:
-    """A mixed case's speedup of each kind's requests (their latencies), else ''."""
-    kinds = result.get("speedup_by_kind")
-    return f"; greedy {kinds['greedy']:.2f}x, sampled {kinds['sampled']:.2f}x" if kinds else ""
 
 
 def table(results: dict, configs: list[str]) -> str:
@@ -97,11 +91,10 @@ def plot(results: dict, configs: list[str], path: Path) -> None:
                         bar.get_height()), ha="center", va="bottom", fontsize=7)
         mixed = [(x, results[n][c]["speedup_by_kind"]) for x, n in zip(xs, names)
                  if "speedup_by_kind" in results[n][c]]
-        for kind, marker in (("greedy", "^"), ("sampled", "v")):  # a mixed case's kinds
-            if mixed:
-                ax.scatter([x for x, _ in mixed], [k[kind] for _, k in mixed], marker=marker,
-                           color="black", zorder=3, s=18,
-                           label=f"{c}: its {kind} requests (latency)" if j == 0 else None)
+        for kind, marker in (("greedy", "^"), ("sampled", "v")) if mixed else ():  # its kinds
+            ax.scatter([x for x, _ in mixed], [k[kind] for _, k in mixed], marker=marker,
+                       color="black", zorder=3, s=18,
+                       label=f"{c}: its {kind} requests (latency)" if j == 0 else None)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
     ax.set_xticklabels([n.replace("temperature ", "T=").replace(" + ", "+").replace(", ", "\n")
