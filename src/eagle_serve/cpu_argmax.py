@@ -36,6 +36,7 @@ from kernels.cpu import cpu_kernels
 ACTIVATION_ROUNDING = 0.5 / 127 * 1.001  # per unit of A_vb * amax_b (the 1.001: fp32's own)
 KERNEL_ROUNDING = 2.0 ** -16  # per unit of (255 |d| + |m|) * amax_b: the 8-bit block sums
 MARGIN = 2.0                  # the bound is used this many times over
+WIDEST_SLACK = 1.001         # `kept`: a row's widest bound, over by this
 MAX_CANDIDATES = 1024         # more kept tokens (in all rows) than this: the full head instead
 #                               (flat logits, e.g. a forward on random tokens, keep hundreds a row)
 FLAT_SMOOTHING = 0.1          # weight of a call in the moving share of calls that kept too many;
@@ -62,6 +63,8 @@ class ScreenedArgmax:
         # [B, V]: B_v = amax [R, B] @ this
         rounding = ACTIVATION_ROUNDING + 2 * k * 2.0 ** -24
         self.bound = (MARGIN * (rounding * spread + KERNEL_ROUNDING * offset)).t().contiguous()
+        # [B]: each block's largest coefficient, a little over (the fp32 rounding of the sums)
+        self.widest = self.bound.amax(dim=1) * WIDEST_SLACK
         # the same, as cpu_i8.cpp's screen_i8 reads it beside the weights: [V/16, B, 16]
         self.packed_bound = self.bound.view(k // BLOCK, v // 16, 16).transpose(0, 1).contiguous()
         self.fused = cpu_kernels().i8_vnni  # kept tokens from one C++ call (else `kept` below)
@@ -72,9 +75,17 @@ class ScreenedArgmax:
         one call, here in PyTorch (its reference, and the path without VNNI)."""
         r, k = final.shape
         approx = self.approx.linear(final, None)  # [R, V]
-        bound = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1) @ self.bound  # [R, V]
+        amax = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1)  # [R, B]
+        # every bound of a row is at most its `widest`, so a token kept, and the token that sets
+        # the row's floor, lie within 2 x widest of the row's largest approx: the bounds are
+        # needed for those few alone (the same tokens as bounding the whole vocabulary)
+        widest = amax @ self.widest  # [R]
+        near = (approx >= approx.amax(dim=-1).sub_(2 * widest).unsqueeze(1)).any(dim=0).nonzero().squeeze(1)
+        if not len(near):  # non-finite logits
+            return near
+        approx, bound = approx[:, near], amax @ self.bound[:, near]  # [R, S]
         floor = (approx - bound).amax(dim=-1, keepdim=True)  # [R, 1] the best sure lower bound
-        return (approx.add_(bound) >= floor).any(dim=0).nonzero().squeeze(1)  # [C] ascending
+        return near[(approx.add_(bound) >= floor).any(dim=0)]  # [C] ascending
 
     def __call__(self, final: torch.Tensor) -> torch.Tensor:
         """final [R, K] fp32 -> [R] int64: the argmax of head(final) per row."""
