@@ -387,7 +387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q8_0", &linear_q8_0, "the fp32 linear of a Q8_0 weight, bitwise `linear`'s");
   m.def("linear_i8", &linear_i8, "a Q4_1/Q8_0 linear on 8-bit activations (cpu_i8.cpp)");
   m.attr("i8_vnni") = kI8Vnni;
-  m.def("screen_i8", &screen_i8, "the tokens a screened LM head keeps (cpu_i8.cpp, VNNI)");
+  m.def("screen_i8", &screen_i8, "the tokens a screened LM head keeps (cpu_i8.cpp)");
   m.def("linear_q4_1_amx", &linear_q4_1_amx, "a Q4_1 linear in fp32 on AMX tiles (cpu_amx.cpp)");
   m.attr("amx") = kAmx;
   m.def("attend", &attend, "row-invariant attention of each query over its own key slots");

@@ -139,12 +139,14 @@ EAGLE_I8 void matmul(const int8_t* qa, const float* da, const float* sa, int64_t
 
 // The AVX2 path (no VNNI): vpmaddubsw + vpmaddwd sum 4 products a lane (|q| <= 128 and
 // |qa| <= 127 keep the pairs below int16's limit), a group's two halves of 8 rows in turn.
-void quantize_rows_avx2(const float* x, int64_t R, int64_t K, int8_t* qa, float* da, float* sa) {
+void quantize_rows_avx2(const float* x, int64_t R, int64_t K, int8_t* qa, float* da, float* sa,
+                        float* amaxes = nullptr) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < K / 32; ++b) {
       const float* p = x + r * K + b * 32;
       float amax = 0.0f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(p[i]));
+      if (amaxes) amaxes[r * (K / 32) + b] = amax;
       const float inv = amax > 0 ? 127.0f / amax : 0.0f;
       int sum = 0;
       for (int i = 0; i < 32; ++i) {
@@ -160,14 +162,14 @@ void quantize_rows_avx2(const float* x, int64_t R, int64_t K, int8_t* qa, float*
 
 constexpr int kRowTileAvx2 = 4;
 
-template <int RB, bool Q4>
+template <int RB, bool Q4, bool Bounded = false>
 inline void tile_avx2(const uint8_t* w, int half, const float* scales, int64_t K, const int8_t* qa,
-                      const float* da, const float* sa, float* out, int64_t N) {
+                      const float* da, const float* sa, float* out, int64_t N, Bound bound = {}) {
   constexpr int C = Q4 ? 4 : 8;
   const int64_t B = K / 32;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256 acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[RB], err[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = err[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* wb = w + b * C * 64 + half * 32;
     __m256i s[RB];
@@ -188,14 +190,25 @@ inline void tile_avx2(const uint8_t* w, int half, const float* scales, int64_t K
       const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(da[r * B + b]));
       acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
       if constexpr (Q4) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[r * B + b]), acc[r]);
+      if constexpr (Bounded)
+        err[r] = _mm256_fmadd_ps(_mm256_loadu_ps(bound.coef + b * 16 + half * 8),
+                                 _mm256_set1_ps(bound.amax[r * B + b]), err[r]);
     }
   }
-  for (int r = 0; r < RB; ++r) _mm256_storeu_ps(out + r * N + half * 8, acc[r]);
+  for (int r = 0; r < RB; ++r) {
+    if constexpr (Bounded) {
+      _mm256_storeu_ps(out + r * N + half * 8, _mm256_add_ps(acc[r], err[r]));
+      _mm256_storeu_ps(bound.low + r * N + half * 8, _mm256_sub_ps(acc[r], err[r]));
+    } else {
+      _mm256_storeu_ps(out + r * N + half * 8, acc[r]);
+    }
+  }
 }
 
-template <bool Q4>
+// bound: (Bounded) as matmul's
+template <bool Q4, bool Bounded = false>
 void matmul_avx2(const int8_t* qa, const float* da, const float* sa, int64_t R, int64_t K,
-                 const uint8_t* w, const float* scales, int64_t N, float* out) {
+                 const uint8_t* w, const float* scales, int64_t N, float* out, Bound bound = {}) {
   constexpr int C = Q4 ? 4 : 8;
   const int64_t G = N / kGroup, B = K / 32;
   at::parallel_for(0, G, 4, [&](int64_t begin, int64_t end) {
@@ -206,11 +219,13 @@ void matmul_avx2(const int8_t* qa, const float* da, const float* sa, int64_t R, 
           const float* sg = scales + g * B * 32;
           float* o = out + r * N + g * kGroup;
           const int8_t* q = qa + r * K;
+          const Bound at = Bounded ? Bound{bound.coef + g * B * 16, bound.amax + r * B, bound.low + r * N + g * kGroup}
+                                   : Bound{};
           switch (std::min<int64_t>(kRowTileAvx2, R - r)) {
-            case 1: tile_avx2<1, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
-            case 2: tile_avx2<2, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
-            case 3: tile_avx2<3, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
-            case 4: tile_avx2<4, Q4>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N); break;
+            case 1: tile_avx2<1, Q4, Bounded>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N, at); break;
+            case 2: tile_avx2<2, Q4, Bounded>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N, at); break;
+            case 3: tile_avx2<3, Q4, Bounded>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N, at); break;
+            case 4: tile_avx2<4, Q4, Bounded>(wg, half, sg, K, q, da + r * B, sa + r * B, o, N, at); break;
           }
         }
   });
@@ -255,7 +270,7 @@ torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const to
   } else {
     quantize_rows_avx2(rows.data_ptr<float>(), R, K, qa.data_ptr<int8_t>(), da, sa);
     (C == 4 ? matmul_avx2<true> : matmul_avx2<false>)(qa.data_ptr<int8_t>(), da, sa, R, K, w,
-                                                      scales.data_ptr<float>(), N, o);
+                                                      scales.data_ptr<float>(), N, o, Bound{});
   }
   if (bias.has_value()) out.add_(*bias);
   auto shape = x.sizes().vec();
@@ -263,50 +278,89 @@ torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const to
   return out.view(shape);
 }
 
-// x [R, K] fp32 (finite); q, scales: linear_i8's (VNNI: kI8Vnni); bound [N/16, K/32, 16] fp32: per
-// output and block the coefficient of the block's max |x| in the output's error bound
-// (eagle_serve.cpu_argmax.ScreenedArgmax) -> the outputs whose value may be their row's largest
-// in some row (approx + bound >= the row's max of approx - bound), ascending; empty where more
-// than max_kept (or none) are.
-EAGLE_I8 torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                                 const torch::Tensor& bound, int64_t max_kept) {
-  TORCH_CHECK(kI8Vnni, "screen_i8: AVX512-VNNI only");
-  const int64_t K = x.size(-1), N = q.size(0) * kGroup, C = q.size(2), B = K / 32;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && q.scalar_type() == torch::kUInt8 &&
-              q.dim() == 4 && q.size(1) == B && K % 32 == 0 && (C == 4 || C == 8) && q.is_contiguous() &&
-              scales.is_contiguous() && scales.numel() == N / kGroup * B * 32 &&
-              bound.scalar_type() == torch::kFloat32 && bound.is_contiguous() && bound.numel() == N * B,
-              "screen_i8: x [R, K] fp32, q [N/16, K/32, 4 or 8, 64] uint8, scales [N/16, K/32, 2, 16], "
-              "bound [N/16, K/32, 16]");
-  const auto rows = x.contiguous();
-  const int64_t R = rows.size(0);
-  const auto none = torch::empty({0}, x.options().dtype(torch::kInt64));
-  const float* xp = rows.data_ptr<float>();
-  if (!std::all_of(xp, xp + R * K, [](float f) { return std::isfinite(f); })) return none;
-  auto qa = torch::empty({R, K}, x.options().dtype(torch::kInt8));
-  auto small = torch::empty({3, R, B}, x.options());  // da, sa, amax
-  auto high = torch::empty({R, N}, x.options()), low = torch::empty({R, N}, x.options());
-  float *da = small[0].data_ptr<float>(), *sa = small[1].data_ptr<float>(), *amax = small[2].data_ptr<float>();
-  quantize_rows(xp, R, K, qa.data_ptr<int8_t>(), da, sa, amax);
-  const Bound b{bound.data_ptr<float>(), amax, low.data_ptr<float>()};
-  (C == 4 ? matmul<4, true> : matmul<8, true>)(qa.data_ptr<int8_t>(), da, sa, R, K,
-                                              static_cast<const uint8_t*>(q.data_ptr()),
-                                              scales.data_ptr<float>(), N, high.data_ptr<float>(), b);
+namespace {
+
+// The kept tokens from the outputs' upper (high) and lower (low) bounds [R, N] (finite): those
+// whose upper bound reaches their row's largest lower bound in some row, ascending; empty past
+// max_kept (AVX2; kept_vnni: the same in AVX-512).
+torch::Tensor kept_tokens(const float* high, const float* low, int64_t R, int64_t N, int64_t max_kept,
+                          const torch::TensorOptions& options) {
+  std::vector<__m256> floor(R);  // N: a multiple of 16
+  for (int64_t r = 0; r < R; ++r) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t v = 0; v < N; v += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(low + r * N + v));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    floor[r] = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+  }
+  std::vector<int64_t> kept;
+  for (int64_t v = 0; v < N; v += 8) {
+    int any = 0;
+    for (int64_t r = 0; r < R; ++r)
+      any |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(high + r * N + v), floor[r], _CMP_GE_OQ));
+    for (; any; any &= any - 1) kept.push_back(v + __builtin_ctz(any));
+    if (static_cast<int64_t>(kept.size()) > max_kept) return torch::empty({0}, options.dtype(torch::kInt64));
+  }
+  return torch::tensor(kept, options.dtype(torch::kInt64));
+}
+
+EAGLE_I8 torch::Tensor kept_vnni(const float* high, const float* low, int64_t R, int64_t N, int64_t max_kept,
+                                 const torch::TensorOptions& options) {
   std::vector<float> floor(R);
   for (int64_t r = 0; r < R; ++r) {
-    const float* l = low.data_ptr<float>() + r * N;
+    const float* l = low + r * N;
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t v = 0; v < N; v += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(l + v));
     floor[r] = _mm512_reduce_max_ps(top);
   }
   std::vector<int64_t> kept;
-  const float* h = high.data_ptr<float>();
   for (int64_t v = 0; v < N; v += 16) {
     __mmask16 any = 0;
     for (int64_t r = 0; r < R; ++r)
-      any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(h + r * N + v), _mm512_set1_ps(floor[r]), _CMP_GE_OQ);
+      any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(high + r * N + v), _mm512_set1_ps(floor[r]), _CMP_GE_OQ);
     for (; any; any &= any - 1) kept.push_back(v + __builtin_ctz(any));
-    if (static_cast<int64_t>(kept.size()) > max_kept) return none;
+    if (static_cast<int64_t>(kept.size()) > max_kept) return torch::empty({0}, options.dtype(torch::kInt64));
   }
-  return torch::tensor(kept, x.options().dtype(torch::kInt64));
+  return torch::tensor(kept, options.dtype(torch::kInt64));
+}
+
+}  // namespace
+
+// x [R, K] fp32 (finite); q, scales: linear_i8's; bound [N/16, K/32, 16] fp32: per output and
+// block the coefficient of the block's max |x| in the output's error bound
+// (eagle_serve.cpu_argmax.ScreenedArgmax) -> the outputs whose value may be their row's largest
+// in some row (approx + bound >= the row's max of approx - bound), ascending; empty where more
+// than max_kept (or none) are. Each bound is summed beside its 8-bit output, in the same pass
+// over the weights (AVX512-VNNI or AVX2, as linear_i8).
+torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                        const torch::Tensor& bound, int64_t max_kept) {
+  const int64_t K = x.size(-1), N = q.size(0) * kGroup, C = q.size(2), B = K / 32;
+  const auto q_type = C == 8 && !kI8Vnni ? torch::kInt8 : torch::kUInt8;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && q.scalar_type() == q_type &&
+              q.dim() == 4 && q.size(1) == B && K % 32 == 0 && (C == 4 || C == 8) && q.is_contiguous() &&
+              scales.is_contiguous() && scales.numel() == N / kGroup * B * 32 &&
+              bound.scalar_type() == torch::kFloat32 && bound.is_contiguous() && bound.numel() == N * B,
+              "screen_i8: x [R, K] fp32, q [N/16, K/32, 4 or 8, 64] uint8 (Q8_0 without VNNI: int8), "
+              "scales [N/16, K/32, 2, 16], bound [N/16, K/32, 16]");
+  const auto rows = x.contiguous();
+  const int64_t R = rows.size(0);
+  const float* xp = rows.data_ptr<float>();
+  if (!std::all_of(xp, xp + R * K, [](float f) { return std::isfinite(f); }))
+    return torch::empty({0}, x.options().dtype(torch::kInt64));
+  auto qa = torch::empty({R, K}, x.options().dtype(torch::kInt8));
+  auto small = torch::empty({3, R, B}, x.options());  // da, sa, amax
+  auto high = torch::empty({R, N}, x.options()), low = torch::empty({R, N}, x.options());
+  float *da = small[0].data_ptr<float>(), *sa = small[1].data_ptr<float>(), *amax = small[2].data_ptr<float>();
+  const auto w = static_cast<const uint8_t*>(q.data_ptr());
+  const Bound b{bound.data_ptr<float>(), amax, low.data_ptr<float>()};
+  float *h = high.data_ptr<float>(), *l = low.data_ptr<float>();
+  if (kI8Vnni) {
+    quantize_rows(xp, R, K, qa.data_ptr<int8_t>(), da, sa, amax);
+    (C == 4 ? matmul<4, true> : matmul<8, true>)(qa.data_ptr<int8_t>(), da, sa, R, K, w, scales.data_ptr<float>(), N, h, b);
+    return kept_vnni(h, l, R, N, max_kept, x.options());
+  }
+  quantize_rows_avx2(xp, R, K, qa.data_ptr<int8_t>(), da, sa, amax);
+  (C == 4 ? matmul_avx2<true, true> : matmul_avx2<false, true>)(qa.data_ptr<int8_t>(), da, sa, R, K, w,
+                                                                scales.data_ptr<float>(), N, h, b);
+  return kept_tokens(h, l, R, N, max_kept, x.options());
 }

@@ -11,9 +11,10 @@ largest), computes their fp32 logits with the dense kernel on their weight rows 
 the full head's: a logit's sum does not depend on which others are computed) and takes the
 argmax among them, the lowest id on ties: the full head's argmax, bit for bit, from a few dozen
 fp32 rows instead of 49152 (8 a row at the median along held-out greedy answers; where logits
-are flat and too many are kept, the full head runs instead). Where AVX512-VNNI runs, the 8-bit
-logits, their bounds and the kept tokens come from one C++ call (cpu_i8.cpp's screen_i8: ~0.45
-ms less a call for one row on a 2-core Xeon); `ScreenedArgmax.kept` is its PyTorch reference.
+are flat and too many are kept, the full head runs instead). The 8-bit logits, their bounds and
+the kept tokens come from one C++ call (cpu_i8.cpp's screen_i8, on AVX512-VNNI or AVX2: ~0.45
+ms less a call for one row on a 2-core Xeon, ~0.5 ms on a 2-core AVX2 EPYC, than
+`ScreenedArgmax.kept`, its PyTorch reference).
 
 The bound, per block b of 32 inputs of a row x (amax_b = max |x| there; the 8-bit form rounds
 x_j to da_b * qa_j, da_b = amax_b / 127, |x_j - da_b qa_j| <= da_b / 2 up to fp32 rounding):
@@ -36,7 +37,6 @@ from kernels.cpu import cpu_kernels
 ACTIVATION_ROUNDING = 0.5 / 127 * 1.001  # per unit of A_vb * amax_b (the 1.001: fp32's own)
 KERNEL_ROUNDING = 2.0 ** -16  # per unit of (255 |d| + |m|) * amax_b: the 8-bit block sums
 MARGIN = 2.0                  # the bound is used this many times over
-WIDEST_SLACK = 1.001         # `kept`: a row's widest bound, over by this
 MAX_CANDIDATES = 1024         # more kept tokens (in all rows) than this: the full head instead
 #                               (flat logits, e.g. a forward on random tokens, keep hundreds a row)
 FLAT_SMOOTHING = 0.1          # weight of a call in the moving share of calls that kept too many;
@@ -63,29 +63,19 @@ class ScreenedArgmax:
         # [B, V]: B_v = amax [R, B] @ this
         rounding = ACTIVATION_ROUNDING + 2 * k * 2.0 ** -24
         self.bound = (MARGIN * (rounding * spread + KERNEL_ROUNDING * offset)).t().contiguous()
-        # [B]: each block's largest coefficient, a little over (the fp32 rounding of the sums)
-        self.widest = self.bound.amax(dim=1) * WIDEST_SLACK
         # the same, as cpu_i8.cpp's screen_i8 reads it beside the weights: [V/16, B, 16]
         self.packed_bound = self.bound.view(k // BLOCK, v // 16, 16).transpose(0, 1).contiguous()
-        self.fused = cpu_kernels().i8_vnni  # kept tokens from one C++ call (else `kept` below)
+        self.fused = True  # kept tokens from one C++ call (False: `kept` below, its reference)
 
     def kept(self, final: torch.Tensor) -> torch.Tensor:
         """final [R, K] -> the tokens whose logit may be their row's largest in some row, [C]
         ascending (those of approx + B_v >= max_u (approx_u - B_u)); what screen_i8 computes in
-        one call, here in PyTorch (its reference, and the path without VNNI)."""
+        one call, here in PyTorch (its reference)."""
         r, k = final.shape
         approx = self.approx.linear(final, None)  # [R, V]
-        amax = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1)  # [R, B]
-        # every bound of a row is at most its `widest`, so a token kept, and the token that sets
-        # the row's floor, lie within 2 x widest of the row's largest approx: the bounds are
-        # needed for those few alone (the same tokens as bounding the whole vocabulary)
-        widest = amax @ self.widest  # [R]
-        near = (approx >= approx.amax(dim=-1).sub_(2 * widest).unsqueeze(1)).any(dim=0).nonzero().squeeze(1)
-        if not len(near):  # non-finite logits
-            return near
-        approx, bound = approx[:, near], amax @ self.bound[:, near]  # [R, S]
+        bound = final.reshape(r, k // BLOCK, BLOCK).abs().amax(-1) @ self.bound  # [R, V]
         floor = (approx - bound).amax(dim=-1, keepdim=True)  # [R, 1] the best sure lower bound
-        return near[(approx.add_(bound) >= floor).any(dim=0)]  # [C] ascending
+        return (approx.add_(bound) >= floor).any(dim=0).nonzero().squeeze(1)  # [C] ascending
 
     def __call__(self, final: torch.Tensor) -> torch.Tensor:
         """final [R, K] fp32 -> [R] int64: the argmax of head(final) per row."""
