@@ -1,17 +1,28 @@
 """CPU linears (oneDNN inner products, the fp32 row kernel) compute what nn.Linear computes."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.cpp_extension import is_ninja_available
 
 from eagle_serve.checkpoints import load_drafter
 from eagle_serve.cpu_matmul import CpuLinear, fuse_linears, onednn_bf16
 from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.target import TargetModel
-from kernels.cpu import cpu_kernels
+from kernels.cpu import cpu_flags, cpu_kernels
+
+
+@pytest.mark.skipif(not ({"avx2", "fma"} <= cpu_flags() and shutil.which("c++") and is_ninja_available()),
+                    reason="the kernels build only on CPUs with AVX2 and FMA, with a C++ compiler and ninja")
+def test_the_cpu_kernels_build_wherever_the_cpu_and_the_toolchain_can():
+    """A kernel that does not compile fails here, where elsewhere it only turns into PyTorch paths
+    (a warning) and the kernels' tests into skips."""
+    assert cpu_kernels() is not None
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
