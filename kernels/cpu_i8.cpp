@@ -282,7 +282,7 @@ namespace {
 
 // The kept tokens from the outputs' upper (high) and lower (low) bounds [R, N] (finite): those
 // whose upper bound reaches their row's largest lower bound in some row, ascending; empty past
-// max_kept (AVX2; kept_vnni: the same in AVX-512).
+// max_kept (AVX2 code, which AVX-512 CPUs run too).
 torch::Tensor kept_tokens(const float* high, const float* low, int64_t R, int64_t N, int64_t max_kept,
                           const torch::TensorOptions& options) {
   std::vector<__m256> floor(R);  // N: a multiple of 16
@@ -298,26 +298,6 @@ torch::Tensor kept_tokens(const float* high, const float* low, int64_t R, int64_
     int any = 0;
     for (int64_t r = 0; r < R; ++r)
       any |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(high + r * N + v), floor[r], _CMP_GE_OQ));
-    for (; any; any &= any - 1) kept.push_back(v + __builtin_ctz(any));
-    if (static_cast<int64_t>(kept.size()) > max_kept) return torch::empty({0}, options.dtype(torch::kInt64));
-  }
-  return torch::tensor(kept, options.dtype(torch::kInt64));
-}
-
-EAGLE_I8 torch::Tensor kept_vnni(const float* high, const float* low, int64_t R, int64_t N, int64_t max_kept,
-                                 const torch::TensorOptions& options) {
-  std::vector<float> floor(R);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* l = low + r * N;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t v = 0; v < N; v += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(l + v));
-    floor[r] = _mm512_reduce_max_ps(top);
-  }
-  std::vector<int64_t> kept;
-  for (int64_t v = 0; v < N; v += 16) {
-    __mmask16 any = 0;
-    for (int64_t r = 0; r < R; ++r)
-      any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(high + r * N + v), _mm512_set1_ps(floor[r]), _CMP_GE_OQ);
     for (; any; any &= any - 1) kept.push_back(v + __builtin_ctz(any));
     if (static_cast<int64_t>(kept.size()) > max_kept) return torch::empty({0}, options.dtype(torch::kInt64));
   }
@@ -357,10 +337,10 @@ torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const to
   if (kI8Vnni) {
     quantize_rows(xp, R, K, qa.data_ptr<int8_t>(), da, sa, amax);
     (C == 4 ? matmul<4, true> : matmul<8, true>)(qa.data_ptr<int8_t>(), da, sa, R, K, w, scales.data_ptr<float>(), N, h, b);
-    return kept_vnni(h, l, R, N, max_kept, x.options());
+  } else {
+    quantize_rows_avx2(xp, R, K, qa.data_ptr<int8_t>(), da, sa, amax);
+    (C == 4 ? matmul_avx2<true, true> : matmul_avx2<false, true>)(qa.data_ptr<int8_t>(), da, sa, R, K, w,
+                                                                  scales.data_ptr<float>(), N, h, b);
   }
-  quantize_rows_avx2(xp, R, K, qa.data_ptr<int8_t>(), da, sa, amax);
-  (C == 4 ? matmul_avx2<true, true> : matmul_avx2<false, true>)(qa.data_ptr<int8_t>(), da, sa, R, K, w,
-                                                                scales.data_ptr<float>(), N, h, b);
   return kept_tokens(h, l, R, N, max_kept, x.options());
 }
