@@ -127,7 +127,7 @@ struct Q4_1Table : Q4_1 {
 #endif
 
 struct Q8_0 {  // q [N, K] int8, d [N, K / 32]
-  static constexpr int wide_rows = 4;
+  static constexpr int wide_rows = 0;  // on AVX2 every row count tiles 1 wide
   const int8_t* q; const float* d; int64_t K;
   inline vec group(int64_t n, int64_t k0, int s) const {
     const int8_t* b = q + n * K + k0 + s * kLanes;
@@ -171,23 +171,26 @@ void qmatmul(const float* x, int64_t K, const W& w, int64_t N, float* out) {
 }
 
 // Rebuilding a weight costs more than the FMAs that use it, so every row shares each rebuilt
-// weight vector in registers: one tile of all rows, 2 weight rows wide where the registers allow
-// (measured on an AVX2 CPU, an AMD EPYC: SmolLM2-135M's Q4_1 layer linears at 4 rows 25% faster
-// 2 wide than 1 wide, at 5 rows 14%, at 6 rows 7% slower; its Q8_0 LM head at 4 rows alike, at 5
-// rows 8% slower). A tile holds up to 7 rows on AVX2 (16 registers: 7 accumulators, the weight
-// vector and its rebuild; 8 rows spill, 1.2-1.4x the time of two passes) and 12 on AVX-512 (32
-// registers). More rows than that run in chunks: on AVX-512 a pass over the weight per chunk,
-// each rebuilding the weight again (on a Xeon with AVX-512 faster than one pass of all rows over
-// a copy rebuilt into L1, tried); on AVX2 in one pass (qmatmul_chunks).
+// weight vector in registers: one tile of all rows, on AVX2 2 weight rows wide up to
+// W::wide_rows rows, else 1 (measured on an AVX2 CPU, an AMD EPYC: SmolLM2-135M's Q4_1 layer
+// linears at 4 rows 25% faster 2 wide than 1 wide, at 5 rows 14%, at 6 rows 7% slower; on a
+// 2-core AMD EPYC with AVX2 only (Zen 3), its Q8_0 LM head (49152 x 576) 1 wide at every row
+// count, 1 / 2 / 3 / 4 rows 2.3 / 2.6 / 2.7 / 2.8 ms against 4.4 / 4.1-4.5 / 4.4 / 4.0 2 wide,
+// interleaved medians). A tile holds up to 7 rows on AVX2 (16 registers: 7 accumulators, the
+// weight vector and its rebuild; 8 rows spill, 1.2-1.4x the time of two passes) and 12 on
+// AVX-512 (32 registers, 2 wide throughout). More rows than that run in chunks: on AVX-512 a
+// pass over the weight per chunk, each rebuilding the weight again (on a Xeon with AVX-512
+// faster than one pass of all rows over a copy rebuilt into L1, tried); on AVX2 in one pass
+// (qmatmul_chunks).
 constexpr int64_t kTileRows = kLanes == 16 ? 12 : 7;
 
 template <typename W>
 void qmatmul_rows(const float* x, int64_t R, int64_t K, const W& w, int64_t N, float* out) {
   constexpr int wide = kLanes == 16 ? 12 : W::wide_rows;  // up to this many rows, tiles 2 wide
   switch (R) {
-    case 1: qmatmul<1, 2>(x, K, w, N, out); break;
-    case 2: qmatmul<2, 2>(x, K, w, N, out); break;
-    case 3: qmatmul<3, 2>(x, K, w, N, out); break;
+    case 1: qmatmul<1, wide >= 1 ? 2 : 1>(x, K, w, N, out); break;
+    case 2: qmatmul<2, wide >= 2 ? 2 : 1>(x, K, w, N, out); break;
+    case 3: qmatmul<3, wide >= 3 ? 2 : 1>(x, K, w, N, out); break;
     case 4: qmatmul<4, wide >= 4 ? 2 : 1>(x, K, w, N, out); break;
     case 5: qmatmul<5, wide >= 5 ? 2 : 1>(x, K, w, N, out); break;
     case 6: qmatmul<6, wide >= 6 ? 2 : 1>(x, K, w, N, out); break;
