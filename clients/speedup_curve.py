@@ -10,8 +10,10 @@ Face `generate` on the same weights, in this process, in `--hf-dtype`: bench.py'
 stream only). The prompts go in groups of `--concurrency` (1: one at a time), each group
 through every config in turn (round-robin, the order reversed every other group), so drift of
 the machine hits every config alike. Tokens/s per config = its tokens over its request
-latencies (groups: their wall time); speedup = that over the first config's; tau = tokens per
-verify round; greedy outputs are checked against the first config's.
+latencies (groups: their wall time); speedup = that over the first config's, with a 95%
+interval (`speedup_interval`: the groups resampled, each config's drift-paired runs together, so
+a case whose interval holds 1.00 is not told apart from plain decoding by this run); tau = tokens
+per verify round; greedy outputs are checked against the first config's.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from eagle_serve import paths
@@ -35,6 +38,21 @@ NAMED = {"default": {},                                              # the serve
 
 
 PEER = "hf"  # not a server config: transformers' generate in this process (bench.HFRunner)
+RESAMPLES, LEVEL = 2000, 0.95  # speedup_interval's bootstrap
+
+
+def speedup_interval(base: list[tuple[int, float]], other: list[tuple[int, float]],
+                     level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of other's speedup over base. base, other: (tokens,
+    seconds) of each group, in the same order (group g ran through both configs back to back);
+    each resample draws groups with replacement, the same groups for both configs, and takes
+    their tokens over their seconds, as `measure` does for the whole run."""
+    b, o = np.asarray(base, dtype=np.float64), np.asarray(other, dtype=np.float64)  # [G, 2]
+    picks = np.random.default_rng(seed).integers(0, len(b), size=(resamples, len(b)))  # [S, G]
+    speedups = (o[picks, 0].sum(1) / o[picks, 1].sum(1)) / (b[picks, 0].sum(1) / b[picks, 1].sum(1))
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(speedups, [tail, 100 - tail])
+    return float(lo), float(hi)
 
 
 def parse_config(text: str) -> dict:
@@ -87,6 +105,7 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     peer = hf_peer(*(hf or (str(paths.default_target_dir()), "bfloat16"))) if PEER in configs else None
     totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0,
                   "same_as_first": 0, "compared": 0, "requests": 0} for c in configs}
+    by_group: dict[str, list[tuple[int, float]]] = {c: [] for c in configs}  # (tokens, seconds)
     per_kind = {c: {k: [0, 0.0] for k in ("greedy", "sampled")} for c in configs}  # tokens, s
     def generate(config: str, prompt: str, **params):
         if config == PEER:
@@ -117,7 +136,9 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
                         raise SystemExit(f"{c}: {gen.error}")
                 outputs[c] = [g.output_ids for g in gens]
                 t = totals[c]
-                t["seconds"] += wall if concurrency > 1 else gens[0].latency_s
+                seconds = wall if concurrency > 1 else gens[0].latency_s
+                t["seconds"] += seconds
+                by_group[c].append((sum(len(g.output_ids) for g in gens), seconds))
                 t["requests"] += len(gens)
                 for i, gen in enumerate(gens):
                     kind = per_kind[c]["sampled" if stream_sampling(i) else "greedy"]
@@ -135,6 +156,7 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     for c, t in totals.items():
         tps = t["tokens"] / t["seconds"]
         out[c] = {**t, "tokens_per_s": round(tps, 2), "speedup": round(tps / base, 3),
+                  "speedup_interval": [round(x, 3) for x in speedup_interval(by_group[configs[0]], by_group[c])],
                   "tau": round(acceptance_length(t["accepted"], t["rounds"]), 3)}
         if mixed:  # each kind's tokens over its requests' latencies, against the first config's
             out[c]["speedup_by_kind"] = {
@@ -143,10 +165,22 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     return out
 
 
+def interval(result: dict) -> str:
+    """A config's speedup interval as printed: "0.97-1.08"."""
+    lo, hi = result["speedup_interval"]
+    return f"{lo:.2f}-{hi:.2f}"
+
+
 def by_kind(result: dict) -> str:
     """A mixed case's speedup of each kind's requests (their latencies), else ''."""
     kinds = result.get("speedup_by_kind")
     return f"; greedy {kinds['greedy']:.2f}x, sampled {kinds['sampled']:.2f}x" if kinds else ""
+
+
+def interval_errors(results: list[dict]) -> list[list[float]]:
+    """matplotlib's yerr (below, above each speedup) from the results' intervals."""
+    return [[max(r["speedup"] - r["speedup_interval"][0], 0.0) for r in results],
+            [max(r["speedup_interval"][1] - r["speedup"], 0.0) for r in results]]
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -155,11 +189,14 @@ def plot(results: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     names = list(results)
     fig, ax = plt.subplots(figsize=(8, 4))
-    bars = ax.bar(names, [results[n]["speedup"] for n in names],
-                  color=["grey" if n == names[0] else "tab:blue" for n in names])
+    speedups = [results[n]["speedup"] for n in names]
+    bars = ax.bar(names, speedups, color=["grey" if n == names[0] else "tab:blue" for n in names])
+    ax.errorbar(names, speedups, yerr=interval_errors([results[n] for n in names]), fmt="none",
+                ecolor="black", capsize=3, lw=0.8, label=f"{LEVEL:.0%} interval (groups resampled)")
     for bar, n in zip(bars, names):
-        ax.annotate(f"tau {results[n]['tau']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"tau {results[n]['tau']:.2f}", (bar.get_x() + bar.get_width() / 2,
+                    results[n]["speedup_interval"][1]), ha="center", va="bottom", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xlabel("config: k (chain), k x topk x depth (tree), or a named one")
     ax.set_ylabel(f"speedup vs {names[0]} (tokens/s ratio)")
@@ -213,7 +250,8 @@ def main(argv=None) -> None:
     Path(args.json).write_text(json.dumps(results, indent=1))
     for c in args.configs:
         r = results[c]
-        print(f"{c:>10}: {r['tokens_per_s']:6.2f} tok/s  speedup {r['speedup']:.2f}x  tau {r['tau']:.2f}"
+        print(f"{c:>10}: {r['tokens_per_s']:6.2f} tok/s  speedup {r['speedup']:.2f}x ({LEVEL:.0%} "
+              f"{interval(r)})  tau {r['tau']:.2f}"
               f"  output same as {args.configs[0]}: {r['same_as_first']}/{r['compared']}"
               + by_kind(r))
     if before is not None:

@@ -18,8 +18,9 @@ A mixed case ("greedy + temperature T") runs every other stream of a group sampl
 greedy (ignoring EOS too), for each concurrency above 1 (--mixed-temperatures; none to leave it out);
 its row adds each kind's speedup by its requests' latencies (a group lasts as long as its slowest
 stream, so the group's speedup is the slower kind's).
-Prints a Markdown table (speedup, tau, and for greedy and seeded cases whether every output
-equals plain decoding's); the JSON is rewritten after each case.
+Prints a Markdown table (speedup with its 95% interval over the case's groups, tau, and for
+greedy and seeded cases whether every output equals plain decoding's); the JSON is rewritten
+after each case, and the plot draws each interval on its bar.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import json
 from pathlib import Path
 
 from eagle_serve.paths import read_prompts
-from speedup_curve import by_kind, measure  # this script's folder is on sys.path
+from speedup_curve import by_kind, interval, interval_errors, measure  # this script's folder is on sys.path
 
 TEMPERATURES = (0.0, 0.7)
 MIXED_TEMPERATURES = (0.7,)  # the sampled half of a mixed case's streams
@@ -62,11 +63,12 @@ def cases(args) -> list[tuple[float, int, int, bool]]:
 
 
 def table(results: dict, configs: list[str]) -> str:
-    head = "| case | plain tokens/s | " + " | ".join(f"`{c}` speedup (tau)" for c in configs[1:])
+    head = "| case | plain tokens/s | " + " | ".join(f"`{c}` speedup [95% interval] (tau)" for c in configs[1:])
     lines = [head + " | output = plain |", "|---" * (len(configs) + 2) + "|"]
     for name, r in results.items():
         base = r[configs[0]]
-        cells = [f"{r[c]['speedup']:.2f}x ({r[c]['tau']:.2f})" + by_kind(r[c]) for c in configs[1:]]
+        cells = [f"{r[c]['speedup']:.2f}x [{interval(r[c])}] ({r[c]['tau']:.2f})" + by_kind(r[c])
+                 for c in configs[1:]]
         same = ", ".join(f"{r[c]['same_as_first']}/{r[c]['compared']}" for c in configs[1:])
         if r.get("mixed"):  # only its greedy streams' outputs are compared
             same = f"{same} greedy"
@@ -85,10 +87,14 @@ def plot(results: dict, configs: list[str], path: Path) -> None:
     width = 0.8 / (len(configs) - 1)
     for j, c in enumerate(configs[1:]):
         xs = [i + j * width for i in range(len(names))]
-        bars = ax.bar(xs, [results[n][c]["speedup"] for n in names], width, label=c)
+        speedups = [results[n][c]["speedup"] for n in names]
+        bars = ax.bar(xs, speedups, width, label=c)
+        ax.errorbar(xs, speedups, yerr=interval_errors([results[n][c] for n in names]), fmt="none",
+                    ecolor="black", capsize=2, lw=0.8,
+                    label="95% interval (groups resampled)" if j == 0 else None)
         for bar, n in zip(bars, names):
             ax.annotate(f"{results[n][c]['speedup']:.2f}", (bar.get_x() + bar.get_width() / 2,
-                        bar.get_height()), ha="center", va="bottom", fontsize=7)
+                        results[n][c]["speedup_interval"][1]), ha="center", va="bottom", fontsize=7)
         mixed = [(x, results[n][c]["speedup_by_kind"]) for x, n in zip(xs, names)
                  if "speedup_by_kind" in results[n][c]]
         for kind, marker in (("greedy", "^"), ("sampled", "v")) if mixed else ():  # its kinds
@@ -101,7 +107,7 @@ def plot(results: dict, configs: list[str], path: Path) -> None:
                         for n in names], fontsize=7)
     ax.set_ylabel(f"speedup vs {configs[0]} (tokens/s ratio)")
     ax.set_title("speculative vs plain decoding per serving case")
-    top = max(max([r[c]["speedup"], *r[c].get("speedup_by_kind", {}).values()])
+    top = max(max([r[c]["speedup_interval"][1], *r[c].get("speedup_by_kind", {}).values()])
               for r in results.values() for c in configs[1:])
     ax.set_ylim(0, 1.3 * top)  # room above the bars for the legend
     ax.legend(loc="upper right", fontsize=8)

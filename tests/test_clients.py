@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -124,6 +125,8 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_le
     assert mixed["mixed"] and mixed["default"]["same_as_first"] == mixed["default"]["compared"] == 10
     assert set(mixed["default"]["speedup_by_kind"]) == {"greedy", "sampled"}
     assert all(x > 0 for x in mixed["default"]["speedup_by_kind"].values())
+    assert all(lo <= c["default"]["speedup"] <= hi for c in cases.values()
+               for lo, hi in [c["default"]["speedup_interval"]])
     assert "| greedy, 2 streams, 8 tokens |" in got.stdout and png.stat().st_size > 10_000
     assert "| greedy + temperature 0.7, 2 streams, 8 tokens |" in got.stdout
 
@@ -147,6 +150,27 @@ def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(tr
     lone_mixed = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--mixed",
                       "--temperature", "0.7", "--url", server.grpc_url, "--json", str(out)])
     assert lone_mixed.returncode != 0 and "--concurrency 2 or more" in lone_mixed.stderr
+
+
+def test_speedup_interval_resamples_the_groups_paired_across_configs():
+    sys.path.insert(0, str(ROOT / "clients"))
+    from speedup_curve import speedup_interval
+    base = [(64, 1.0), (64, 1.4), (32, 0.5), (64, 0.9), (64, 1.2), (48, 0.8)]
+    # twice as fast on every group, however much the groups themselves drift: exactly 2x
+    assert speedup_interval(base, [(n, s / 2) for n, s in base]) == pytest.approx((2.0, 2.0))
+    # the same run against itself: exactly 1x (each resample takes the same groups of both)
+    assert speedup_interval(base, base) == pytest.approx((1.0, 1.0))
+    # noisy, 1.1x on average: with a fixed seed the same interval every time; it holds the
+    # run's own estimate and 1.1 but not 1.0 at these 50 groups, and the 90% one lies inside it
+    rng = np.random.default_rng(7)
+    base = [(64, float(s)) for s in rng.uniform(0.8, 1.6, 50)]
+    other = [(n, s / 1.1 * float(e)) for (n, s), e in zip(base, rng.normal(1.0, 0.05, 50))]
+    lo, hi = speedup_interval(base, other)
+    tokens_per_s = lambda groups: sum(n for n, _ in groups) / sum(s for _, s in groups)  # noqa: E731
+    whole = tokens_per_s(other) / tokens_per_s(base)
+    assert (lo, hi) == speedup_interval(base, other) and lo < whole < hi and lo < 1.1 < hi and lo > 1.0
+    lo90, hi90 = speedup_interval(base, other, level=0.9)
+    assert lo < lo90 < hi90 < hi
 
 
 def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
