@@ -12,8 +12,9 @@ through every config in turn (round-robin, the order reversed every other group)
 the machine hits every config alike. Tokens/s per config = its tokens over its request
 latencies (groups: their wall time); speedup = that over the first config's, with a 95%
 interval (`speedup_interval`: the groups resampled, each config's drift-paired runs together, so
-a case whose interval holds 1.00 is not told apart from plain decoding by this run); tau = tokens
-per verify round; greedy outputs are checked against the first config's.
+a case whose interval holds 1.00 is not told apart from plain decoding by this run; it is the
+spread between one run's groups, and whole runs differ by more); tau = tokens per verify round;
+greedy outputs are checked against the first config's.
 """
 from __future__ import annotations
 
