@@ -135,13 +135,16 @@ def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(tr
                                                                              tmp_path):
     server = tiny_server(triton_server, tiny_models, "eagle3")
     prompts = prompts_file(tmp_path)
-    out = tmp_path / "curve.json"
+    out, png = tmp_path / "curve.json", tmp_path / "curve.png"
     got = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--max-tokens", "8",
                "--configs", "0", "default", "hf", "--url", server.grpc_url, "--json", str(out),
-               "--hf-target", str(tiny_models["target"]), "--hf-dtype", "float64"])
+               "--plot", str(png), "--hf-target", str(tiny_models["target"]), "--hf-dtype", "float64"])
     assert got.returncode == 0, got.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["hf"]["tokens_per_s"] > 0 and results["hf"]["tau"] == 0
+    assert results["0"]["speedup_interval"] == [1.0, 1.0] and png.stat().st_size > 10_000
+    assert all(lo <= results[c]["speedup"] <= hi for c in ("default", "hf")
+               for lo, hi in [results[c]["speedup_interval"]])
     assert all(results[c]["same_as_first"] == 2 for c in ("default", "hf"))  # float64: HF's tokens
     assert re.search(r"hf: +[0-9.]+ tok/s", got.stdout)
     refused = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--configs",
