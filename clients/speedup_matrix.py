@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 
 from eagle_serve.paths import read_prompts
-from speedup_curve import by_kind, interval, interval_errors, measure  # this script's folder is on sys.path
+from speedup_curve import LEVEL, by_kind, interval, interval_errors, measure  # this script's folder is on sys.path
 
 TEMPERATURES = (0.0, 0.7)
 MIXED_TEMPERATURES = (0.7,)  # the sampled half of a mixed case's streams
@@ -63,7 +63,8 @@ def cases(args) -> list[tuple[float, int, int, bool]]:
 
 
 def table(results: dict, configs: list[str]) -> str:
-    head = "| case | plain tokens/s | " + " | ".join(f"`{c}` speedup [95% interval] (tau)" for c in configs[1:])
+    head = "| case | plain tokens/s | " + " | ".join(f"`{c}` speedup [{LEVEL:.0%} interval] (tau)"
+                                                  for c in configs[1:])
     lines = [head + " | output = plain |", "|---" * (len(configs) + 2) + "|"]
     for name, r in results.items():
         base = r[configs[0]]
@@ -91,7 +92,7 @@ def plot(results: dict, configs: list[str], path: Path) -> None:
         bars = ax.bar(xs, speedups, width, label=c)
         ax.errorbar(xs, speedups, yerr=interval_errors([results[n][c] for n in names]), fmt="none",
                     ecolor="black", capsize=2, lw=0.8,
-                    label="95% interval (groups resampled)" if j == 0 else None)
+                    label=f"{LEVEL:.0%} interval (groups resampled)" if j == 0 else None)
         for bar, n in zip(bars, names):
             ax.annotate(f"{results[n][c]['speedup']:.2f}", (bar.get_x() + bar.get_width() / 2,
                         results[n][c]["speedup_interval"][1]), ha="center", va="bottom", fontsize=7)
