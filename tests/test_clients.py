@@ -176,6 +176,37 @@ def test_speedup_interval_resamples_the_groups_paired_across_configs():
     assert lo < lo90 < hi90 < hi
 
 
+def test_speculation_ceiling_bounds_chains_by_the_forwards_cost_of_their_rows():
+    sys.path.insert(0, str(ROOT / "clients"))
+    from speculation_ceiling import bound, ceilings, needed_acceptance
+    # one stream: a row beside another is free up to 2 rows; 4 streams: every row costs alike
+    times = {(1, 0): 10.0, (1, 1): 10.0, (1, 2): 16.0, (4, 0): 20.0, (4, 1): 40.0, (4, 2): 60.0}
+    assert bound(times, 1, 1.0, 0.0) == (2.0, 1)             # 2 tokens for the price of 1
+    assert bound(times, 1, 0.5, 0.0) == (1.5, 1)
+    # a drafter call's cost is paid once a round: it makes the longer chain the better one
+    assert bound(times, 1, 1.0, 0.0, draft_ms=5.0) == (pytest.approx(30 / 21), 2)
+    assert bound(times, 4, 1.0, 0.0)[0] == pytest.approx(1.0)  # compute-bound: nothing to win
+    assert bound(times, 4, 1.0, 20.0)[0] == pytest.approx(1.5)  # ... but a fixed round cost helps
+    assert needed_acceptance(times, 1, 1.5, 0.0) == pytest.approx(0.5)
+    assert needed_acceptance(times, 4, 1.2, 0.0) is None
+    found = ceilings(times, acceptance=(0.5, 1.0), overheads=(0.0, 20.0))
+    assert [(c.streams, c.acceptance, c.overhead_ms) for c in found][:4] == [
+        (1, 0.5, 0.0), (1, 1.0, 0.0), (1, 0.5, 20.0), (1, 1.0, 20.0)]
+    assert all(c.speedup >= 1.0 for c in found)  # d = 0 (plain decoding) is always a choice
+
+
+def test_speculation_ceiling_times_the_default_targets_served_forward(tmp_path):
+    out = run([sys.executable, "clients/speculation_ceiling.py", "--streams", "1", "2", "--drafts", "0", "1",
+               "--repeats", "1", "--speedups", "1.1", "--json", str(tmp_path / "c.json"),
+               "--plot", str(tmp_path / "c.png")])
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert {(f["streams"], f["drafts"]) for f in report["forward_ms"]} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert all(f["ms"] > 0 for f in report["forward_ms"])
+    assert len(report["ceilings"]) == 2 * 2 * 3 and len(report["needed"]) == 2 * 2
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
 def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
     sys.path.insert(0, str(ROOT / "clients"))
     import bench
