@@ -16,6 +16,15 @@ from pathlib import Path
 from eagle_serve import paths
 
 DEFAULT_CORPUS = paths.REPO_ROOT / "drafters" / "data" / "smollm2-selfdistill"
+PROMPT_SETS = {"base": ("prompts", "build_prompts"), "extended": ("prompts_more", "extended_prompts"),
+               "chat": ("prompts_chat", "chat_prompts")}  # name: (module of eagle_serve.train, function)
+
+
+def prompt_set(name: str):
+    """The instruction set `name`'s builder: (seed, held-out prompts file) -> prompts."""
+    import importlib
+    module, function = PROMPT_SETS[name]
+    return getattr(importlib.import_module(f"eagle_serve.train.{module}"), function)
 
 
 def main(argv=None) -> None:
@@ -29,8 +38,8 @@ def main(argv=None) -> None:
     c.add_argument("--shard-size", type=int, default=512, help="prompts per shard (x batch: fewer tail steps)")
     c.add_argument("--limit", type=int, default=None, help="at most this many new prompts")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--prompt-set", choices=["base", "extended"], default="base",
-                   help="base: train.prompts (the committed corpora's); extended: train.prompts_more")
+    c.add_argument("--prompt-set", choices=list(PROMPT_SETS), default="base",
+                   help="base: train.prompts; extended: train.prompts_more; chat: train.prompts_chat")
     c.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy answers; > 0 = sampled answers (seeded per prompt), labelled by the target's argmax at training")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -67,10 +76,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from eagle_serve.train.corpus import generate_corpus
-        from eagle_serve.train.prompts import build_prompts
-        from eagle_serve.train.prompts_more import extended_prompts
-        build = build_prompts if args.prompt_set == "base" else extended_prompts
-        prompts = build(args.seed, paths.HELDOUT_PROMPTS)
+        prompts = prompt_set(args.prompt_set)(args.seed, paths.HELDOUT_PROMPTS)
         n = generate_corpus(args.out, paths.resolve_model_path(args.target), prompts,
                             max_tokens=args.max_tokens, batch=args.batch,
                             shard_size=args.shard_size, limit=args.limit,
