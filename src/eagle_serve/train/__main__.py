@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 from dataclasses import asdict
@@ -22,7 +23,6 @@ PROMPT_SETS = {"base": ("prompts", "build_prompts"), "extended": ("prompts_more"
 
 def prompt_set(name: str):
     """The instruction set `name`'s builder: (seed, held-out prompts file) -> prompts."""
-    import importlib
     module, function = PROMPT_SETS[name]
     return getattr(importlib.import_module(f"eagle_serve.train.{module}"), function)
 
