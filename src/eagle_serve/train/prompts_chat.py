@@ -84,6 +84,6 @@ def chat_prompts(seed: int = 0, heldout: Path | None = None) -> list[str]:
                 (WORDS, DEFINE_FORMS), (OCCASIONS, IDEA_FORMS)]
     out = [form.format(t=t) for items, forms in families for t in items for form in forms]
     out += [f"What is the difference between {pair}?" for pair in PAIRS]
-    out += [f"Which is better for a beginner, {a.split(' and ')[0]} or {a.split(' and ')[1]}? Explain."
-            for a in PAIRS[:12]]
+    out += [f"Which is better for a beginner, {one} or {other}? Explain."
+            for one, other in (pair.split(" and ") for pair in PAIRS[:12])]
     return _away_from(sorted(set(out)), heldout, random.Random(seed))
