@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 SERVE_ARGS ?=
 GPU_CHECK_ARGS ?=
 
-.PHONY: setup serve test test-fast gpu-check clean-cache
+.PHONY: setup serve replicas test test-fast gpu-check clean-cache
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (pyenv install 3.11)"; exit 1; }
@@ -34,6 +34,14 @@ setup: $(VENV)/.installed
 serve: setup
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) \
 		exec $(PY) -m eagle_serve.serve --model-repository model_repository $(SERVE_ARGS)
+
+# N replicas of `make serve` (replica i on the base ports + 10 i, OpenAI port + i) behind
+# vllm-router on ROUTER_PORT (9100), cache-aware: eagle_serve.replicas, docs/deploy.md.
+N ?= 2
+ROUTER_PORT ?= 9100
+replicas: setup
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) \
+		ROUTER_PORT=$(ROUTER_PORT) exec $(PY) -m eagle_serve.replicas --replicas $(N) $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); code=$$?; \

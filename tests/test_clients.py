@@ -292,7 +292,7 @@ def host_and_container(volume: str) -> tuple[str, str]:
 
 def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    (service,) = compose["services"].values()
+    service = compose["services"]["triton"]
     assert service["build"]["dockerfile"] == "docker/Dockerfile"
     devices = service["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]

@@ -99,7 +99,7 @@ def test_the_schema_check_rejects_an_invalid_compose_file():
 
 
 def test_compose_runs_the_supervised_image_with_a_restart_policy_and_a_stub_aware_health_check():
-    (service,) = compose()["services"].values()
+    service = compose()["services"]["triton"]
     assert "command" not in service or not any("tritonserver" in a for a in service["command"])
     assert service["restart"] in ("always", "unless-stopped", "on-failure")
     check = service["healthcheck"]["test"]

@@ -16,7 +16,7 @@ TOKENIZER_ONLY = ["model_repository/preprocess/1/model.py", "model_repository/po
 TORCH_FREE = ["eagle_serve.settings", "eagle_serve.tokenization", "eagle_serve.triton_utils",
               "eagle_serve.client", "eagle_serve.paths", "eagle_serve.requests",
               "eagle_serve.serve", "eagle_serve.supervisor", "eagle_serve.health",
-              "eagle_serve.processes", "eagle_serve.openai_api.server"]
+              "eagle_serve.processes", "eagle_serve.openai_api.server", "eagle_serve.replicas"]
 
 
 def module_files() -> dict[str, Path]:

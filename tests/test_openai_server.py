@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -69,13 +70,14 @@ def wait_until(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
     return server_wait_until(predicate, timeout_s, every_s, ignore=(OSError, openai.APIError))
 
 
-def launch_openai(triton: TritonServer, log_path: Path) -> OpenAIServer:
+def launch_openai(triton: TritonServer, log_path: Path, env: dict[str, str] | None = None) -> OpenAIServer:
     port = free_ports(1)[0]
     cmd = [sys.executable, "-m", "eagle_serve.openai_api", f"--model-repository={triton.repo}",
            f"--grpc-url={triton.grpc_url}", f"--metrics-url={triton.metrics_url}",
            "--host=127.0.0.1", f"--port={port}"]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=None if env is None else {**os.environ, **env})
     server = OpenAIServer(process, port, log_path)
     healthy = wait_until(lambda: process.poll() is None and get(f"{server.base_url}/health")[0] == 200,
                          READY_TIMEOUT_S)
@@ -331,3 +333,52 @@ def test_make_serve_runs_the_openai_server_through_a_restart_and_stops_both(serv
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) is not None
     assert wait_until(lambda: not front.is_running() or front.status() == psutil.STATUS_ZOMBIE, 30)
+
+
+def test_with_api_keys_set_the_api_answers_401_without_a_key_and_probes_stay_open(tiny, tmp_path):
+    keyed = launch_openai(tiny, tmp_path / "keyed.log", env={"EAGLE_API_KEY": "key-one, key-two"})
+    try:
+        for key in ("unused", "key-one-and-more", "key-one,key-two"):
+            with pytest.raises(openai.AuthenticationError) as refused:
+                openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=key, max_retries=0).models.list()
+            assert refused.value.code == "invalid_api_key"
+        status, _ = get(f"{keyed.base_url}/v1/models")  # no Authorization header at all
+        assert status == 401
+        for key in ("key-one", "key-two"):
+            client = openai.OpenAI(base_url=f"{keyed.base_url}/v1", api_key=key, max_retries=0)
+            reply = client.chat.completions.create(model="tiny-llama", messages=user("Hi"), max_tokens=4)
+            assert reply.choices[0].message.content is not None
+        assert get(f"{keyed.base_url}/health")[0] == 200
+        assert get(f"{keyed.base_url}/metrics")[0] == 200
+    finally:
+        keyed.stop()
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_render_and_tokenize_give_the_prompt_ids_a_request_runs_on(api, tokenizer):
+    """vLLM's endpoints that a cache-aware router (vllm-router) routes by."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    expected = encode_prompt(tokenizer, render_chat(tokenizer, messages), apply_chat_template=False)
+    status, body = post_json(f"{api.base_url}/v1/chat/completions/render",
+                             {"model": "tiny-llama", "messages": messages, "max_tokens": 4})
+    assert status == 200 and body["token_ids"] == expected
+    assert chat(api, messages, max_tokens=2).usage.prompt_tokens == len(expected)
+    status, body = post_json(f"{api.base_url}/v1/completions/render", {"prompt": "Once upon a time"})
+    assert status == 200 and body[0]["token_ids"] == encode_prompt(tokenizer, "Once upon a time", False)
+    status, body = post_json(f"{api.base_url}/tokenize", {"messages": messages})
+    assert status == 200 and body["tokens"] == expected and body["count"] == len(expected)
+    assert body["max_model_len"] > 0
+    status, body = post_json(f"{api.base_url}/detokenize", {"tokens": expected})
+    assert status == 200 and body["prompt"] == decode(tokenizer, expected, skip_special_tokens=False)
+    for path, bad in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": messages}),
+                      ("/detokenize", {"tokens": [len(tokenizer)]}), ("/v1/chat/completions/render", {"messages": []})):
+        status, body = post_json(f"{api.base_url}{path}", bad)
+        assert status == 400 and body["error"]["message"], (path, bad, body)

@@ -127,3 +127,21 @@ def test_the_command_line_copies_and_overrides(source, tmp_path, capsys):
     assert parameters(text)["dtype"] == "float64"
     with pytest.raises(SystemExit):
         main([str(source), str(tmp_path / "other"), "--set", "nonsense"])
+
+
+def test_a_settings_file_overrides_like_set_and_set_wins_over_it(source, tmp_path):
+    settings = tmp_path / "settings.conf"
+    settings.write_text("# the ConfigMap of deploy/k8s\n\neagle_target.dtype=float64\n"
+                        "  eagle_target.model_dir=/models/x  \n# eagle_target.dtype=bfloat16\n")
+    main([str(source), str(tmp_path / "dst"), "--set-file", str(settings),
+          "--set", "eagle_target.model_dir=/models/y"])
+    for config in ("config.pbtxt", "configs/gpu.pbtxt"):
+        text = (tmp_path / "dst" / "eagle_target" / config).read_text()
+        assert parameters(text) == {"dtype": "float64", "model_dir": "/models/y"}
+
+
+def test_the_shipped_kubernetes_settings_file_applies_to_the_real_repository(tmp_path):
+    settings = paths.REPO_ROOT / "deploy" / "k8s" / "base" / "settings.conf"
+    main([str(paths.REPO_ROOT / "model_repository"), str(tmp_path / "dst"), "--set-file", str(settings)])
+    assert (tmp_path / "dst" / "spec_decode" / "config.pbtxt").read_text() == \
+        (paths.REPO_ROOT / "model_repository" / "spec_decode" / "config.pbtxt").read_text()

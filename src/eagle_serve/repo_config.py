@@ -5,6 +5,7 @@ by hand:
 
     python -m eagle_serve.repo_config model_repository /tmp/repo \\
         --models preprocess,postprocess --set postprocess.skip_special_tokens=false
+    python -m eagle_serve.repo_config model_repository /repo --set-file settings.conf
 
 Overrides apply to `config.pbtxt` and every alternative config under `configs/`: the string
 value of an existing `parameters { key: "K" value: { string_value: "V" } }` is replaced, a
@@ -80,6 +81,13 @@ def parse_assignments(assignments: list[str]) -> Overrides:
     return overrides
 
 
+def read_assignments(path: Path) -> list[str]:
+    """A settings file: MODEL.KEY=VALUE lines; blank lines and lines starting with # skipped
+    (the ConfigMap of deploy/k8s)."""
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", type=Path, help="model repository to copy")
@@ -87,10 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", help="comma-separated model names (default: all)")
     parser.add_argument("--set", dest="assignments", action="append", default=[],
                         metavar="MODEL.KEY=VALUE", help="override a config parameter")
+    parser.add_argument("--set-file", type=Path, action="append", default=[], metavar="FILE",
+                        help="override the parameters of FILE's MODEL.KEY=VALUE lines (# comments)")
     args = parser.parse_args(argv)
     models = args.models.split(",") if args.models else None
+    assignments = [a for f in args.set_file for a in read_assignments(f)] + args.assignments
     try:
-        dst = copy_repository(args.src, args.dst, models, parse_assignments(args.assignments))
+        dst = copy_repository(args.src, args.dst, models, parse_assignments(assignments))
     except ValueError as error:
         parser.error(str(error))
     print(dst)

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle_serve.requests import acceptance_length
 
@@ -22,6 +22,7 @@ UNSUPPORTED = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},), "best_of": (1,),
     "echo": (False,), "suffix": ("",)}
+MAX_TEXT_CHARS = 1 << 20  # /tokenize and /detokenize: bounded work for a client-sized input
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # spec_decode -> OpenAI
 
 
@@ -124,6 +125,29 @@ class CompletionRequest(SamplingRequest):
             raise OpenAIError(400, "prompt must be one string (batches of prompts are not "
                                    f"supported), got {len(self.prompt)}", "prompt")
         return self.prompt[0]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (with the tokenizer's special tokens unless told not to), or
+    chat messages rendered as a chat request would be."""
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_TEXT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+    def as_chat(self) -> ChatCompletionRequest:
+        return ChatCompletionRequest(model=self.model, messages=self.messages)
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_TEXT_CHARS)
 
 
 @dataclass(frozen=True)

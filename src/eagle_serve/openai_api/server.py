@@ -13,22 +13,25 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import urllib.request
+import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from eagle_serve import paths
 from eagle_serve.openai_api.backend import SpecDecodeClient
 from eagle_serve.openai_api.protocol import (Answer, ChatCompletionRequest, Chunk,
-                                             CompletionRequest, OpenAIError, SamplingRequest)
-from eagle_serve.settings import tokenizer_dir
-from eagle_serve.tokenization import load_tokenizer, render_chat
+                                             CompletionRequest, DetokenizeRequest, OpenAIError,
+                                             SamplingRequest, TokenizeRequest)
+from eagle_serve.settings import read_settings, tokenizer_dir
+from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,14 @@ class OpenAIServerConfig:
     model_name: str | None = None           # the id in /v1/models; None = the target folder's name
     host: str = "0.0.0.0"
     port: int = 9000
+    api_keys: tuple[str, ...] = ()          # non-empty: /v1/* needs `Authorization: Bearer <key>`
 
 
 def create_app(config: OpenAIServerConfig) -> FastAPI:
     target = tokenizer_dir("target", Path(config.model_repository))
     tokenizer = load_tokenizer(target)
     model_id = config.model_name or target.name
+    max_model_len = read_settings(Path(config.model_repository)).max_model_len
     backend: SpecDecodeClient | None = None
 
     @asynccontextmanager
@@ -55,6 +60,13 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
         await backend.close()
 
     app = FastAPI(title="eagle-serve OpenAI-compatible API", lifespan=lifespan)
+
+    async def require_key(request: Request):
+        # health and metrics stay open for probes and scrapers; the API needs a key when set
+        if config.api_keys and not authorized(request.headers.get("authorization"), config.api_keys):
+            raise OpenAIError(401, "a valid API key is needed: `Authorization: Bearer <key>`",
+                              code="invalid_api_key")
+    keyed = [Depends(require_key)]
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, error: OpenAIError):
@@ -68,11 +80,11 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     async def invalid_body(_request, error: RequestValidationError):
         return JSONResponse(validation_error(error).body(), status_code=400)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models():
         return {"object": "list", "data": [model_card(model_id)]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", dependencies=keyed)
     async def model(name: str):
         check_model(name, model_id)
         return model_card(model_id)
@@ -91,23 +103,69 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
             raise OpenAIError(503, f"Triton's metrics endpoint is not reachable: {error}") from None
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/chat/completions")
+    def chat_prompt(body: ChatCompletionRequest) -> str:
+        try:
+            return render_chat(tokenizer, [m.as_template_dict() for m in body.messages])
+        except Exception as error:  # the template refused the conversation (e.g. role order)
+            raise OpenAIError(400, f"the chat template refused the messages: {error}", "messages") from None
+
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model, model_id)
         body.check_supported()
-        try:
-            prompt = render_chat(tokenizer, [m.as_template_dict() for m in body.messages])
-        except Exception as error:  # the template refused the conversation (e.g. role order)
-            raise OpenAIError(400, f"the chat template refused the messages: {error}", "messages") from None
-        return await respond(backend, Answer("chat", model_id), prompt, body, request)
+        return await respond(backend, Answer("chat", model_id), chat_prompt(body), body, request)
 
-    @app.post("/v1/completions")
+    # vLLM's render endpoints: the prompt ids a request would run on, without running it. A
+    # cache-aware router (vllm-router) asks for them to route requests by their token prefix.
+    @app.post("/v1/chat/completions/render", dependencies=keyed)
+    async def render_chat_completion(body: ChatCompletionRequest):
+        check_model(body.model, model_id)
+        return rendered(encode_prompt(tokenizer, chat_prompt(body), apply_chat_template=False))
+
+    @app.post("/v1/completions/render", dependencies=keyed)
+    async def render_completion(body: CompletionRequest):
+        check_model(body.model, model_id)
+        return [rendered(encode_prompt(tokenizer, body.text(), apply_chat_template=False))]
+
+    @app.post("/tokenize", dependencies=keyed)
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model, model_id)
+        if body.messages is not None:
+            ids = encode_prompt(tokenizer, chat_prompt(body.as_chat()), apply_chat_template=False)
+        else:
+            ids = list(tokenizer(body.prompt or "", add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize", dependencies=keyed)
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model, model_id)
+        if any(not 0 <= t < len(tokenizer) for t in body.tokens):
+            raise OpenAIError(400, f"token ids must lie in [0, {len(tokenizer)})", "tokens")
+        return {"prompt": decode(tokenizer, body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model, model_id)
         body.check_supported()
         return await respond(backend, Answer("completion", model_id), body.text(), body, request)
 
     return app
+
+
+def api_keys_from(value: str | None) -> tuple[str, ...]:
+    """`EAGLE_API_KEY`: one key, or several separated by commas."""
+    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+
+
+def authorized(header: str | None, keys: tuple[str, ...]) -> bool:
+    scheme, _, key = (header or "").partition(" ")
+    # compare_digest on every key: the time taken does not tell how much of a key matched
+    matches = [secrets.compare_digest(key.strip().encode(), k.encode()) for k in keys]
+    return scheme.lower() == "bearer" and any(matches)
+
+
+def rendered(ids: list[int]) -> dict:
+    return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": ids}
 
 
 def read_url(url: str) -> bytes:
@@ -233,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
     args = parser.parse_args(argv)
     config = OpenAIServerConfig(Path(args.model_repository), args.grpc_url, args.metrics_url,
-                                args.model_name, args.host, args.port)
+                                args.model_name, args.host, args.port,
+                                api_keys_from(os.environ.get("EAGLE_API_KEY")))
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info",
                 timeout_graceful_shutdown=5)
