@@ -11,10 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import attend as cpu_attend, cpu_kernels
-from kernels.attention_ref import paged_attention_ref
-
-
-ROWWISE_MAX_QUERIES = 16  # prefills of more tokens take the batched reference
 
 
 def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -23,7 +19,7 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             tree_mask: torch.Tensor | None = None, window: int = 0,
                             softcap: float = 0.0, positions: torch.Tensor | None = None,
                             plans: dict | None = None) -> torch.Tensor:
-    """As paged_attention_ref, but each decode/verify query attends alone, unmasked, over
+    """As kernels.attention_ref.paged_attention_ref, but each query attends alone, unmasked, over
     exactly the keys it sees (its context, then its ancestors in depth order for a tree).
     plans: where the forward's layers share what they plan from the call's metadata (see
     RaggedBatch.plans; None: planned for this call alone).
@@ -36,10 +32,9 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     on CPUs with AVX2, one call of kernels/cpu_attention.cpp's `attend` for all queries of a
     layer (each query walks its own list of key slots, planned once per forward:
     `attention_plan`); elsewhere
-    `_attend_in_python`, per query. A prefill (a request's first forward: all its tokens new) of
-    more than ROWWISE_MAX_QUERIES tokens goes through the batched reference on its own; every
-    other request is row-invariant whatever its number of new tokens (a verify pass of a large
-    draft tree: 17 or more rows). A query's keys run along the sequence ([context, path] is
+    `_attend_in_python`, per query. Prefills too: a position's KV then does not depend on how
+    its prompt was split into forwards (whole, in chunks, or after a prefix cache hit), at
+    ~1.15x the batched reference's cost for a 1,600-token prompt. A query's keys run along the sequence ([context, path] is
     positions 0 .. its own), so a sliding window keeps the last `window` of them: what a decode
     step there keeps. Shapes as paged_attention_ref.
     """
@@ -50,13 +45,6 @@ def paged_attention_rowwise(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         out32 = _attend_in_python(q32, k_cache, v_cache, block_tables, plan.cu, plan.lens,
                                   plan.queries, window, softcap)
-    for b in plan.prefills:
-        start, n = plan.cu[b], plan.cu[b + 1] - plan.cu[b]
-        mask = None if tree_mask is None else tree_mask[b:b + 1]
-        pos = None if positions is None else positions[start:start + n]
-        out32[start:start + n] = paged_attention_ref(  # exact: back to q's dtype below
-            q[start:start + n], k_cache, v_cache, block_tables[b:b + 1],
-            cu_seqlens_q.new_tensor([0, n]), seq_lens[b:b + 1], scale, mask, window, softcap, pos)
     return out32.to(q.dtype)
 
 
@@ -65,11 +53,6 @@ def cpu_attend_fits(k_cache: torch.Tensor) -> bool:
     bf16, D % 8 == 0."""
     return (cpu_kernels() is not None and k_cache.shape[-1] % 8 == 0
             and k_cache.dtype in (torch.float32, torch.bfloat16))
-
-
-def _is_prefill(n: int, ctx_len: int) -> bool:
-    """A request's queries that take the batched reference: a prefill of many tokens."""
-    return n > ROWWISE_MAX_QUERIES and n == ctx_len
 
 
 def _attend_in_python(q32, k_cache, v_cache, block_tables, cu, lens, queries, window, softcap):
@@ -83,7 +66,7 @@ def _attend_in_python(q32, k_cache, v_cache, block_tables, cu, lens, queries, wi
     torch.set_num_threads(1)
     try:
         for b, ctx_len in enumerate(lens):
-            if not queries[b]:  # no new tokens, or a prefill (the reference computes it)
+            if not queries[b]:  # no new tokens
                 continue
             start = cu[b]
             pages = block_tables[b, :-(-ctx_len // page_size)]
@@ -112,7 +95,6 @@ class _Plan:
     """What every layer of one forward shares, built from the call's metadata once."""
     cu: list[int]                  # cu_seqlens_q
     lens: list[int]                # seq_lens
-    prefills: list[int]            # requests whose queries take the batched reference
     queries: list                  # _rowwise_queries'
     slots: torch.Tensor | None     # C++ `attend`: query t's keys are the cache slots
     starts: torch.Tensor | None    # slots[starts[t]:starts[t + 1]] ([S], [T + 1]); None: not run
@@ -128,11 +110,10 @@ def attention_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
         return plans[key]
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     queries = _rowwise_queries(cu, lens, tree_mask)
-    prefills = [b for b, ctx_len in enumerate(lens) if _is_prefill(cu[b + 1] - cu[b], ctx_len)]
     slots = starts = None
     if with_slots:
         slots, starts = _query_slots(cu, lens, queries, block_tables, page_size)
-    plan = _Plan(cu, lens, prefills, queries, slots, starts)
+    plan = _Plan(cu, lens, queries, slots, starts)
     if plans is not None:
         plans[key] = plan
     return plan
@@ -141,11 +122,10 @@ def attention_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
 def _query_slots(cu: list[int], lens: list[int], queries: list, block_tables: torch.Tensor,
                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_rowwise_queries`' key lists as cache slots for C++ `attend`: slots [S] int64,
-    starts [T + 1] (query t's keys are slots[starts[t]:starts[t + 1]], in order; none for a
-    prefill's queries, which the reference computes)."""
+    starts [T + 1] (query t's keys are slots[starts[t]:starts[t + 1]], in order)."""
     tables, lists, lengths = block_tables.tolist(), [], [0] * cu[-1]
     for b, rows in enumerate(queries):
-        if not rows:  # a prefill, or no new tokens
+        if not rows:  # no new tokens
             continue
         pos = torch.arange(lens[b])
         request = torch.tensor(tables[b], dtype=torch.int64)[pos // page_size] * page_size + pos % page_size
@@ -160,15 +140,12 @@ def _query_slots(cu: list[int], lens: list[int], queries: list, block_tables: to
 def _rowwise_queries(cu: list[int], lens: list[int], tree_mask: torch.Tensor | None) -> list:
     """Per request, (query i, key count L, gather) for each query: a chain query or a tree
     query whose path is new tokens 0..d-1 reads the first L keys in place (gather None); any
-    other tree query reads [context, its path] through `gather`, a [L] index. A prefill has
-    none listed (the batched reference computes its queries)."""
+    other tree query reads [context, its path] through `gather`, a [L] index."""
     mask = None if tree_mask is None else tree_mask.to("cpu", torch.bool)
     plan = []
     for b, ctx_len in enumerate(lens):
         n = cu[b + 1] - cu[b]
         prefix, rows = ctx_len - n, []
-        if _is_prefill(n, ctx_len):
-            n = 0
         seen = None if mask is None else mask[b, :n, :n].tolist()
         for i in range(n):
             path = list(range(i + 1)) if seen is None else [j for j in range(i + 1) if seen[i][j]]

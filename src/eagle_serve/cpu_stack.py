@@ -6,7 +6,7 @@ so each output is bitwise the loop's; it saves PyTorch's Python dispatch of the 
 It runs where every layer is what it implements: Llama-like layers (pre-norms, no q/k norms,
 one RoPE table, a SiLU-gated MLP; Llama, Mistral, Qwen2, Phi-3 targets and EAGLE heads qualify),
 fp32 on CPU with cpu.cpp's linears and norms, and a batch whose attention the row-invariant
-kernel plans (no long prefill). Anything else takes the Python loop, which stays the reference.
+kernel plans. Anything else takes the Python loop, which stays the reference.
 """
 from __future__ import annotations
 
@@ -91,14 +91,14 @@ class CpuDecoderStack:
                  ) -> tuple[torch.Tensor, dict] | None:
         """h [T, H] the first layer's input (residual); cos, sin [T, R]; first_input: the first
         layer's attention input (else in_norm(h)) -> (h after the last layer [T, H], {feature
-        layer: its input [T, H]}), or None where the batch needs the Python loop (a prefill the
-        batched reference attends, or the kernels dispatched elsewhere)."""
+        layer: its input [T, H]}), or None where the batch needs the Python loop (the kernels
+        dispatched elsewhere)."""
         keys = self.cache.keys[0]
         if not cpu_rope_write_kv_runs(h, keys, cos):  # the layers' kernels are not cpu.cpp's
             return None
         plan = attention_plan(batch.cu_seqlens, batch.seq_lens, batch.block_tables, batch.tree_mask,
                               keys, batch.plans)
-        if plan.slots is None or plan.prefills:
+        if plan.slots is None:
             return None
         wanted, s = sorted(set(feature_layers)), self.shape
         out = cpu_kernels().decoder_stack(

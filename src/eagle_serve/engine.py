@@ -1,8 +1,9 @@
 """The engine: continuous batching of EAGLE draft/verify rounds over all running requests.
 
 One round (`step()`, then `draft()`) for every running request:
-  schedule  - reserve KV pages, admit waiting requests, preempt the newest when pages run out
-              (eagle_serve.scheduler);
+  schedule  - reserve KV pages, admit waiting requests (mapping the cached pages of their
+              prefix), preempt the newest when pages run out, and pick the round's rows within
+              the token budget (eagle_serve.scheduler, eagle_serve.prefix_cache);
   verify    - one target forward over [uncomputed tokens + drafts] of every request, the
               acceptance rule, KV rollback (eagle_serve.verify);
   draft     - one drafter call catches up on the newly verified positions and proposes the
@@ -161,6 +162,8 @@ class Engine:
                 self.policy.costs.record_target(vb.batch.input_ids.shape[0], time.perf_counter() - start)
             work = verify.advance(result, vb, verdicts, self.target_pool, self.workspace,
                                   self.stats, self.config.eos_token_ids)
+            for req in reqs:  # before a finished request gives its pages back
+                self.scheduler.prefix.publish(req)
         except KVLost:  # tokens verified so far stand; all KV is recomputed
             self._preempt_all()
             return []
@@ -187,6 +190,7 @@ class Engine:
                                self.workspace, len(self.running), self.device)
                 for w in work:
                     w.req.suspect = False
+                    self.scheduler.prefix.publish(w.req)
             except KVLost:
                 self._preempt_all()
             except ModelUnavailable:
@@ -215,6 +219,7 @@ class Engine:
 
     def _preempt_all(self) -> None:
         self.scheduler.preempt_all()
+        self.scheduler.prefix.forget()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:

@@ -48,6 +48,9 @@ class AcceptanceRecord:
         return (self.accepted + prior * weight) / (self.reached + weight)
 
 
+MAX_CACHE_SALT_BYTES = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -64,6 +67,7 @@ class SamplingParams:
     corpus_lookup: bool = True        # own tokens / in the corpus of the target's answers
     min_tokens: int = 0               # no EOS and no stop string ends the output before this
     #                                   many tokens (EOS is masked in the target's logits)
+    cache_salt: str = ""              # requests share cached KV pages only with the same salt
 
     def validate(self, cfg: EngineConfig, max_k: int) -> None:
         """max_k: the largest k this engine drafts (0 without a drafter)."""
@@ -87,6 +91,8 @@ class SamplingParams:
              f"draft_topk must be in [1, {cfg.max_draft_topk}], got {self.draft_topk}"),
             (self.draft_depth is None or 1 <= self.draft_depth <= cfg.max_draft_depth,
              f"draft_depth must be in [1, {cfg.max_draft_depth}], got {self.draft_depth}"),
+            (len(self.cache_salt.encode("utf-8")) <= MAX_CACHE_SALT_BYTES,
+             f"cache_salt may be at most {MAX_CACHE_SALT_BYTES} bytes"),
         ]
         for ok, message in checks:
             if not ok:
@@ -105,6 +111,7 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_rounds: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     error: str = ""             # the request failed: a message for its client (finished, no reason)
     error_code: str = ""        # then: "INTERNAL" (a model call failed) or "UNAVAILABLE" (limits)
     cause: BaseException | None = field(default=None, repr=False)  # what failed (logged, not sent)
@@ -129,6 +136,13 @@ class Request:
     #                                 round of its own succeeds
     num_computed: int = 0           # positions in the target's KV
     draft_computed: int = 0         # positions in the drafter's KV
+    chunk: int | None = None        # this round computes at most this many of its uncomputed
+    #                                 tokens (chunked prefill; None = all)
+    page_keys: list[bytes] = field(default_factory=list)  # names of its full target pages
+    #                                 (eagle_serve.prefix_cache)
+    published_target: int = 0       # its first pages named in the prefix cache, per pool
+    published_drafter: int = 0
+    num_cached_tokens: int = 0      # prompt tokens its first admission found in the cache
     drafts: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)   # of each draft (-1 = the last token)
     kv_moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) target positions,
@@ -158,6 +172,11 @@ class Request:
     @property
     def output(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def uncomputed(self) -> int:
+        """Tokens whose KV the target has not computed (1 while decoding: the last one)."""
+        return len(self.tokens) - self.num_computed
 
     @property
     def greedy(self) -> bool:
@@ -239,7 +258,7 @@ class Request:
         self.num_sent += len(new)
         return RequestOutput(self.id, new, bool(self.finish_reason), self.finish_reason,
                              self.prompt_len, len(self.output), self.num_draft_tokens,
-                             self.num_accepted_tokens, self.num_rounds)
+                             self.num_accepted_tokens, self.num_rounds, self.num_cached_tokens)
 
 
 @dataclass

@@ -4,7 +4,11 @@ The scheduler owns the waiting queue and the running batch, the KV page pools of
 drafter, and the draft-token workspace. Each round it reserves the pages the running requests
 may touch, preempting the newest running request when pages run out (it frees everything and
 is recomputed when readmitted: its tokens stand), then admits waiting requests in arrival order
-while pages and `max_running` allow. It also retires requests: finished, cancelled, expired
+while pages and `max_running` allow; a request admitted without pages first maps the cached
+pages of its prefix (eagle_serve.prefix_cache). Chunked prefill: a round computes at most
+`max_num_batched_tokens` rows, the running requests' decode and verify rows first, then the
+uncomputed tokens of prompts (or recomputes) in arrival order, so a long prompt is computed over
+several rounds while the other streams go on. It also retires requests: finished, cancelled, expired
 (queue time, deadline) or failed. After a model call failed for a batch, the requests of that
 batch are `suspect`: each runs a round alone (the others wait) until one succeeds, so a
 request that breaks a model call fails alone.
@@ -15,6 +19,7 @@ import time
 from collections import deque
 
 from eagle_serve.kv_pages import PagePool
+from eagle_serve.prefix_cache import PrefixCache
 from eagle_serve.requests import Request
 from eagle_serve.settings import EngineConfig
 from eagle_serve.workspace import DraftWorkspace
@@ -26,6 +31,7 @@ class Scheduler:
         self.config, self.stats = config, stats
         self.target_pool = PagePool(config.num_target_pages, config.page_size, "target")
         self.drafter_pool = PagePool(config.num_drafter_pages, config.page_size, "drafter")
+        self.prefix = PrefixCache(self.target_pool, self.drafter_pool, config.enable_prefix_caching)
         self.workspace = workspace
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -39,19 +45,38 @@ class Scheduler:
                 self.preempt(self.running[-1])
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
+            self.prefix.admit(req)
             if not self._reserve(req):
                 self.release(req)
+                req.num_computed = req.draft_computed = 0
                 break
             self.running.append(self.waiting.popleft())
+            self.prefix.count(req)
             if not req.admitted:
                 self.stats.queue_times.append(time.monotonic() - req.arrived_at)
             req.admitted = True
         self.running.sort(key=lambda r: r.arrival)
 
     def round_requests(self) -> list[Request]:
-        """The requests verified this round: all running ones, or a suspect alone."""
+        """The requests verified this round: all running ones within the token budget, or a
+        suspect alone. Sets each one's `chunk`."""
         suspects = [r for r in self.running if r.suspect]
-        return suspects[:1] if suspects else list(self.running)
+        reqs = suspects[:1] if suspects else list(self.running)
+        for req in reqs:
+            req.chunk = None
+        budget = self.config.max_num_batched_tokens
+        if not budget:
+            return reqs
+        steady = [r for r in reqs if r.uncomputed <= 1]
+        left = budget - sum(1 + len(r.drafts) for r in steady)
+        chosen = list(steady)
+        for req in (r for r in reqs if r.uncomputed > 1):
+            if left <= 0 and chosen:
+                break
+            req.chunk = max(1, min(left, req.uncomputed))  # alone: progress even past budget
+            left -= req.chunk
+            chosen.append(req)
+        return sorted(chosen, key=lambda r: r.arrival)
 
     def _need(self, req: Request) -> tuple[int, int]:
         """KV positions this round may touch: target (tokens + drafts), drafter (+ the next
@@ -102,6 +127,7 @@ class Scheduler:
         req.clear_drafts()
         req.kv_moves = []  # with the pages gone, those positions are recomputed
         req.undrafted = []
+        req.published_target = req.published_drafter = 0
 
     def retire(self, req: Request) -> None:
         """A request leaves the engine (finished, cancelled, expired or failed)."""

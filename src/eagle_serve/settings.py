@@ -59,6 +59,11 @@ class ServingSettings:
     max_running: int = 8                       # requests in one round
     max_waiting: int = 64                      # queued beyond that; more -> "server busy"
     max_model_len: int = 2048
+    enable_prefix_caching: bool = True         # requests share the KV pages of a common prefix
+    #                                            (eagle_serve.prefix_cache)
+    max_num_batched_tokens: int = 256          # rows one round computes at most: running
+    #                                            requests' decode and verify rows first, then
+    #                                            prompts in chunks (0 = whole prompts at once)
     num_speculative_tokens: int = 8            # default k of a request (tree: nodes verified)
     max_speculative_tokens: int = 8
     draft_topk: int = 4                        # default children per draft-tree node (1 = chain)
@@ -193,6 +198,8 @@ class EngineConfig:
     max_running: int
     max_waiting: int
     max_model_len: int
+    enable_prefix_caching: bool
+    max_num_batched_tokens: int
     page_size: int
     num_target_pages: int
     num_drafter_pages: int
@@ -238,6 +245,9 @@ class EngineConfig:
         if not 0 <= self.draft_depth <= self.max_draft_depth:
             raise ValueError(f"draft_depth must be in [0, {self.max_draft_depth}] (0 = k), "
                              f"got {self.draft_depth}")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"max_num_batched_tokens must be >= 0 (0 = no limit), "
+                             f"got {self.max_num_batched_tokens}")
         if self.max_tree_batch < 0:
             raise ValueError(f"max_tree_batch must be >= 0 (0 = no limit), got {self.max_tree_batch}")
         for name in ("max_draft_batch", "max_sampled_draft_batch"):

@@ -60,6 +60,7 @@ class VerifyRows:
     first_row: int
     num_real: int     # tokens it had not computed, before its drafts
     num_logits: int   # rows scored: the last real token + every draft; 0 while recomputing
+    partial: bool = False  # a prefill chunk short of its last token: nothing to draft from yet
 
 
 @dataclass
@@ -114,19 +115,21 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device,
     for req in reqs:
         start = req.num_computed
         resume = len(req.output) > 0 and start < len(req.tokens) - 1
-        real = req.tokens[start:len(req.tokens) - 1 if resume else len(req.tokens)]
+        end = len(req.tokens) - 1 if resume else len(req.tokens)
+        stop = end if req.chunk is None else min(end, start + req.chunk)
+        real = req.tokens[start:stop]  # a chunk short of `end` scores nothing (no drafts then)
         new = real + req.drafts
         depths = tree_depths(req.parents)
         ids += new
         positions += range(start, start + len(real))
         positions += [len(req.tokens) - 1 + d for d in depths]
         slots += [pool.slot(req.target_pages, p) for p in range(start, start + len(new))]
-        n_logits = 0 if resume else 1 + len(req.drafts)
+        n_logits = 0 if resume or stop < end else 1 + len(req.drafts)
         if n_logits and eos_token_ids:
             banned += [len(logit_rows) + j for j, d in enumerate([0] + depths) if req.eos_banned(d)]
         logit_rows += range(cu[-1] + len(new) - n_logits, cu[-1] + len(new))
         sampling += [req.sampling_row()] * n_logits
-        rows.append(VerifyRows(req, cu[-1], len(real), n_logits))
+        rows.append(VerifyRows(req, cu[-1], len(real), n_logits, stop < end))
         cu.append(cu[-1] + len(new))
         seq_lens.append(start + len(new))
         masks.append((len(real), req.parents))
@@ -272,12 +275,18 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
         if req.k and not req.finish_reason:
             rows.append(list(range(r.first_row, r.first_row + r.num_real))
                         + [r.first_row + r.num_real + i for i in path])
-            going.append(req)
+            going.append(r)
     if not going:
         return []
     index = int_tensor([i for per_req in rows for i in per_req], result.hidden.device)  # one copy
     features = result.hidden.index_select(0, index).split([len(x) for x in rows])
-    return [DraftWork(req, f) for req, f in zip(going, features)]
+    work = []
+    for r, f in zip(going, features):
+        if r.partial:  # the drafter catches up on the whole prompt once it is computed
+            r.req.undrafted.append(f)
+        else:
+            work.append(DraftWork(r.req, f))
+    return work
 
 
 def _observe_head(req: Request, depths: list[int], path: list[int]) -> None:

@@ -224,9 +224,9 @@ def test_a_row_invariant_verify_query_equals_its_one_token_decode_step_bitwise(d
     assert torch.equal(alone[0], out[2])
 
 
-def test_a_verify_pass_of_more_than_sixteen_rows_stays_row_invariant_in_bf16(rowwise_path):
-    """Only a prefill (all of a request's tokens new) takes the batched path: a 20-row verify
-    pass after a context of 23 still equals one-token decode steps bitwise."""
+def test_a_verify_pass_and_a_prefill_of_twenty_rows_stay_row_invariant_in_bf16(rowwise_path):
+    """A 20-row verify pass after a context of 23, and a 20-token prefill, equal one-token
+    decode steps bitwise (a prefix cache hit or a prompt in chunks computes the same KV)."""
     n_q, seq_lens = [20, 20], [43, 20]  # request 1: a prefill
     q, k_cache, v_cache, tables, cu, lens = make_batch(n_q, seq_lens, page_size=5, seed=3)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
@@ -235,9 +235,10 @@ def test_a_verify_pass_of_more_than_sixteen_rows_stays_row_invariant_in_bf16(row
         alone = paged_attention_rowwise(q[i:i + 1], k_cache, v_cache, tables[:1], torch.tensor([0, 1]),
                                         torch.tensor([23 + i + 1]), 0.2)
         assert torch.equal(alone[0], out[i]), f"verify row {i}"
-    prefill = paged_attention_ref(q[20:], k_cache, v_cache, tables[1:], torch.tensor([0, 20]),
-                                  lens[1:], 0.2)
-    assert torch.equal(prefill, out[20:])
+    for i in range(20):
+        alone = paged_attention_rowwise(q[20 + i:21 + i], k_cache, v_cache, tables[1:], torch.tensor([0, 1]),
+                                        torch.tensor([i + 1]), 0.2)
+        assert torch.equal(alone[0], out[20 + i]), f"prefill row {i}"
 
 
 # ---- sliding windows and soft-capping (Mistral, Qwen2, Gemma 2/3) ----

@@ -1,0 +1,113 @@
+"""Automatic prefix caching: requests that share a prefix share its KV pages.
+
+A full target page is named by a hash chained over (the previous page's name, the page's
+tokens), the first page's chain starting from the request's `cache_salt`, so tenants with
+different salts never share pages. KV depends on nothing else than the tokens before it, so a
+page computed for one request is exactly the page another request would compute (the CPU and
+GPU kernels are row-invariant: a page computed inside a long prefill equals the same page
+computed alone). Pages are named once their KV is final (below the request's computed
+positions and any pending tree moves), kept after their requests end, and reused least
+recently used first (eagle_serve.kv_pages).
+
+The drafter follows: its position p reads the target's features at p and the token at p + 1,
+so a drafter page is named by its target page's name and the token after the page. A
+speculative request that hits the cache maps the target and drafter pages of the longest
+prefix that both hold, and drafts from its first round as if it had computed them.
+
+The last token of a request is never served from the cache: its forward gives the logits of
+the first new token. A request resumed after preemption also recomputes the token before it,
+so its rounds (and a seeded rejection-sampled request's drafts) are those it has without hits.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from eagle_serve.kv_pages import PagePool
+from eagle_serve.requests import Request
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)  # collision-safe (unlike hash()) and fast for 16 tokens
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _token_bytes(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype=np.int64).tobytes()
+
+
+@dataclass
+class CacheCounters:
+    """Tokens looked up in the cache at admission and tokens found (vLLM's prefix cache
+    queries and hits)."""
+    queries: int = 0
+    hits: int = 0
+
+
+class PrefixCache:
+    def __init__(self, target: PagePool, drafter: PagePool, enabled: bool = True):
+        assert target.page_size == drafter.page_size
+        self.target, self.drafter, self.enabled = target, drafter, enabled
+        self.page_size = target.page_size
+        self.counters = CacheCounters()
+
+    def keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """The names of the request's first `num_pages` target pages (kept in the request)."""
+        keys, size = req.page_keys, self.page_size
+        while len(keys) < num_pages:
+            j = len(keys)
+            parent = keys[-1] if keys else _digest(b"salt", req.params.cache_salt.encode())
+            keys.append(_digest(parent, _token_bytes(req.tokens[j * size:(j + 1) * size])))
+        return keys[:num_pages]
+
+    def drafter_key(self, req: Request, j: int) -> bytes:
+        return _digest(b"drafter", req.page_keys[j], _token_bytes([req.tokens[(j + 1) * self.page_size]]))
+
+    def admit(self, req: Request) -> None:
+        """Map the cached pages of a request that holds none and set what it has computed."""
+        if not self.enabled or req.num_computed or req.target_pages or req.drafter_pages:
+            return
+        keep = 2 if req.output else 1  # positions that must be computed (module docstring)
+        keys = self.keys(req, max(0, (len(req.tokens) - keep) // self.page_size))
+        pages = self.target.cached(keys)
+        if req.k:
+            drafter_pages = self.drafter.cached([self.drafter_key(req, j) for j in range(len(pages))])
+            pages = pages[:len(drafter_pages)]
+            self.drafter.map(req.drafter_pages, drafter_pages)
+        self.target.map(req.target_pages, pages)
+        req.num_computed = req.draft_computed = len(pages) * self.page_size
+
+    def count(self, req: Request) -> None:
+        """The request was admitted: count its lookup (the first admission sets its
+        num_cached_tokens, reported to its client)."""
+        if not self.enabled:
+            return
+        self.counters.queries += len(req.tokens)
+        self.counters.hits += req.num_computed
+        if not req.admitted:
+            req.num_cached_tokens = req.num_computed
+
+    def publish(self, req: Request) -> None:
+        """Name the request's pages whose KV became final (after a verify or drafting round)."""
+        if not self.enabled:
+            return
+        size = self.page_size
+        final = min([req.num_computed] + [dst for _, dst in req.kv_moves])
+        keys = self.keys(req, min(final // size, len(req.target_pages)))
+        for j in range(req.published_target, len(keys)):
+            self.target.name_page(req.target_pages[j], keys[j])
+        req.published_target = max(req.published_target, len(keys))
+        if req.k:
+            done = min(req.draft_computed // size, len(keys), len(req.drafter_pages))
+            for j in range(req.published_drafter, done):
+                self.drafter.name_page(req.drafter_pages[j], self.drafter_key(req, j))
+            req.published_drafter = max(req.published_drafter, done)
+
+    def forget(self) -> None:
+        """The models lost their KV: no cached page holds what its name says any more."""
+        self.target.clear_cache()
+        self.drafter.clear_cache()
