@@ -44,10 +44,29 @@ def test_the_shipped_cpu_config_states_exactly_the_settings_defaults():
 
 
 def test_the_in_process_engine_runs_the_served_engine_config():
+    from eagle_serve import paths
+    from eagle_serve.local import build_local_engine
     from eagle_serve.settings import EngineConfig
-    served = EngineConfig.from_settings(read_settings(REPO))
-    assert EngineConfig.served() == served
+    settings = read_settings(REPO)
+    served = EngineConfig.from_settings(settings.resolved(paths.default_target_dir(), 4), (2,))
+    local = build_local_engine(paths.default_target_dir(), None, dtype="float32", corpus=None)
+    assert local.config == served
     assert served.num_speculative_tokens == ServingSettings().num_speculative_tokens
+
+
+def test_the_model_sizes_the_kv_cache_and_the_context_unless_told():
+    """The default target: 8192 tokens of context; 1 GiB of fp32 KV (30 layers, 3 KV heads of
+    64) is 1456 pages of 16 (46,080 bytes a token)."""
+    from eagle_serve import paths
+    settings = read_settings(REPO).resolved(paths.default_target_dir(), 4)
+    assert (settings.max_model_len, settings.num_target_pages, settings.num_drafter_pages) == (8192, 1456, 1456)
+    assert "23296 tokens" in settings.kv_summary()
+    told = ServingSettings(max_model_len=4096, num_target_pages=100, kv_cache_gib=9.0)
+    assert told.resolved(paths.default_target_dir(), 4).num_target_pages == 100
+    assert told.resolved(paths.default_target_dir(), 4).num_drafter_pages == 100
+    assert told.resolved(paths.default_target_dir(), 2).max_model_len == 4096
+    bf16 = ServingSettings().resolved(paths.default_target_dir(), 2)
+    assert bf16.num_target_pages == 2912  # half the bytes a token: 2^30 // (23,040 x 16)
 
 
 def test_settings_parse_numbers_and_refuse_bad_ones_by_name():

@@ -382,3 +382,24 @@ def test_render_and_tokenize_give_the_prompt_ids_a_request_runs_on(api, tokenize
                       ("/detokenize", {"tokens": [len(tokenizer)]}), ("/v1/chat/completions/render", {"messages": []})):
         status, body = post_json(f"{api.base_url}{path}", bad)
         assert status == 400 and body["error"]["message"], (path, bad, body)
+
+
+def test_a_repeated_prefix_is_served_from_the_cache_with_the_same_answer_and_counted(api, tiny):
+    system = {"role": "system", "content": "You answer questions about the sea. " * 12}
+    first = chat(api, [system, *user(PROMPT)], max_tokens=12)
+    again = chat(api, [system, *user("What lives in the deep sea?")], max_tokens=12)
+    same = chat(api, [system, *user(PROMPT)], max_tokens=12)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 32
+    assert same.usage.prompt_tokens_details.cached_tokens > again.usage.prompt_tokens_details.cached_tokens
+    assert same.choices[0].message.content == first.choices[0].message.content
+    salted = chat(api, [system, *user(PROMPT)], max_tokens=12, extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].message.content == first.choices[0].message.content
+    ensemble = grpc_generate(tiny.grpc_url, PROMPT, max_tokens=4, cache_salt="tenant-b")
+    assert ensemble.error is None and "num_cached_tokens" in ensemble.counters
+    counted = metrics(tiny.metrics_url)
+    hits = counted['vllm:prefix_cache_hits_total{model_name="tiny-llama"}']
+    assert hits >= same.usage.prompt_tokens_details.cached_tokens
+    assert counted['vllm:prefix_cache_queries_total{model_name="tiny-llama"}'] > hits
+    assert 0 <= counted['vllm:kv_cache_usage_perc{model_name="tiny-llama"}'] <= 1

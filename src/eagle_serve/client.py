@@ -23,10 +23,10 @@ PARAMS = {
     "draft_depth": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_),
     "context_lookup": ("BOOL", np.bool_), "corpus_lookup": ("BOOL", np.bool_),
     "stream": ("BOOL", np.bool_), "apply_chat_template": ("BOOL", np.bool_),
-    "min_tokens": ("INT32", np.int32),
+    "min_tokens": ("INT32", np.int32), "cache_salt": ("BYTES", np.object_),
 }
 COUNTERS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens",
-            "num_rounds")
+            "num_rounds", "num_cached_tokens")
 
 
 @dataclass
@@ -76,6 +76,7 @@ def grpc_inputs(text: str, stop: list[str] | None = None, **params) -> list:
         if name not in PARAMS:
             raise ValueError(f"unknown parameter {name}")
         dtype, np_dtype = PARAMS[name]
+        value = value.encode() if isinstance(value, str) else value
         inputs.append(tensor(name, np.array([[value]], dtype=np_dtype), dtype))
     if stop:
         inputs.append(tensor("stop", np.array([[s.encode() for s in stop]], dtype=np.object_), "BYTES"))

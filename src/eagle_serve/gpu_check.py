@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
 
     drafter = None if args.drafter == "none" else args.drafter
     engine = build_local_engine(args.target, drafter, dtype=dtype, device=device,
-                                config=EngineConfig.from_settings(settings, eos_token_ids(args.target)))
+                                config=EngineConfig.from_settings(settings.resolved(Path(args.target), dtype.itemsize),
+                                                                  eos_token_ids(args.target)))
     print("1. kernel warm-up:", end=" ", flush=True)
     reports = [warmup.warm_target(engine.target), warmup.warm_engine(engine)]
     if engine.drafter is not None:

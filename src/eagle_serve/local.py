@@ -26,7 +26,8 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
     overrides: EngineConfig fields to replace."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype, torch.device(device).type == "cuda", Path(target_dir))
-    config = config or EngineConfig.from_settings(ServingSettings(), eos_token_ids(target_dir))
+    config = config or EngineConfig.from_settings(ServingSettings().resolved(Path(target_dir), dtype.itemsize),
+                                                  eos_token_ids(target_dir))
     config = replace(config, **overrides)
     drafter = None
     if drafter_dir is not None:

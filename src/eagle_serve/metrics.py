@@ -31,7 +31,12 @@ ENGINE_COUNTERS = {  # EngineStats field: (our name, vLLM's name or None, descri
                "Verify rounds of a request that checked at least one draft token"),
     "rounds": ("eagle_spec_decode_rounds_total", None, "Verify rounds, counted per request"),
     "steps": ("eagle_engine_steps_total", None, "Batched engine rounds (target forwards)"),
-    "preemptions": ("eagle_preemptions_total", None, "Requests preempted for KV pages (recomputed later)"),
+    "preemptions": ("eagle_preemptions_total", "vllm:num_preemptions_total",
+                    "Requests preempted for KV pages (recomputed later)"),
+    "prefix_cache_queries": ("eagle_prefix_cache_queries_total", "vllm:prefix_cache_queries_total",
+                             "Prompt tokens of admitted requests looked up in the prefix cache"),
+    "prefix_cache_hits": ("eagle_prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
+                          "Prompt tokens found in the prefix cache"),
 }
 
 
@@ -106,6 +111,9 @@ class EngineMetrics:
         pages_total = family("eagle_kv_pages_total", "KV cache pages", fam.GAUGE)
         self.pages_free = {p: _Each(pages_free.Metric(labels={"pool": p})) for p in ("target", "drafter")}
         self.pages_total = {p: _Each(pages_total.Metric(labels={"pool": p})) for p in ("target", "drafter")}
+        self.kv_usage = both("eagle_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc",
+                             "Share of the target's KV pages mapped by requests (0-1; cached pages "
+                             "no request maps count as free)", fam.GAUGE)
         self.slots_free = _Each(metric("eagle_draft_slots_free", "Free draft-token workspace slots", fam.GAUGE))
         finished = family("eagle_requests_finished_total", "Requests finished, by finish reason",
                           fam.COUNTER)
@@ -171,6 +179,8 @@ class EngineMetrics:
         for pool in (engine.target_pool, engine.drafter_pool):
             self.pages_free[pool.name].set(pool.num_free)
             self.pages_total[pool.name].set(pool.num_pages)
+        pool = engine.target_pool
+        self.kv_usage.set(round(1 - pool.num_free / pool.num_pages, 4))
         self.slots_free.set(engine.workspace.num_free)
 
     def observe_first_token(self, seconds: float, prompt_tokens: int) -> None:

@@ -21,8 +21,6 @@ so its rounds (and a seeded rejection-sampled request's drafts) are those it has
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-
 import numpy as np
 
 from eagle_serve.kv_pages import PagePool
@@ -40,20 +38,12 @@ def _token_bytes(tokens: list[int]) -> bytes:
     return np.asarray(tokens, dtype=np.int64).tobytes()
 
 
-@dataclass
-class CacheCounters:
-    """Tokens looked up in the cache at admission and tokens found (vLLM's prefix cache
-    queries and hits)."""
-    queries: int = 0
-    hits: int = 0
-
-
 class PrefixCache:
-    def __init__(self, target: PagePool, drafter: PagePool, enabled: bool = True):
+    def __init__(self, target: PagePool, drafter: PagePool, stats, enabled: bool = True):
+        """stats: the engine's EngineStats (prefix_cache_queries and _hits are counted there)."""
         assert target.page_size == drafter.page_size
-        self.target, self.drafter, self.enabled = target, drafter, enabled
+        self.target, self.drafter, self.stats, self.enabled = target, drafter, stats, enabled
         self.page_size = target.page_size
-        self.counters = CacheCounters()
 
     def keys(self, req: Request, num_pages: int) -> list[bytes]:
         """The names of the request's first `num_pages` target pages (kept in the request)."""
@@ -86,8 +76,8 @@ class PrefixCache:
         num_cached_tokens, reported to its client)."""
         if not self.enabled:
             return
-        self.counters.queries += len(req.tokens)
-        self.counters.hits += req.num_computed
+        self.stats.prefix_cache_queries += len(req.tokens)
+        self.stats.prefix_cache_hits += req.num_computed
         if not req.admitted:
             req.num_cached_tokens = req.num_computed
 

@@ -31,7 +31,7 @@ class Scheduler:
         self.config, self.stats = config, stats
         self.target_pool = PagePool(config.num_target_pages, config.page_size, "target")
         self.drafter_pool = PagePool(config.num_drafter_pages, config.page_size, "drafter")
-        self.prefix = PrefixCache(self.target_pool, self.drafter_pool, config.enable_prefix_caching)
+        self.prefix = PrefixCache(self.target_pool, self.drafter_pool, stats, config.enable_prefix_caching)
         self.workspace = workspace
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -28,7 +28,7 @@ import numpy as np
 
 from eagle_serve import triton_utils as tu
 from eagle_serve.engine import Engine, EngineBusy
-from eagle_serve.requests import RequestOutput, SamplingParams
+from eagle_serve.requests import MAX_CACHE_SALT_BYTES, RequestOutput, SamplingParams
 from eagle_serve.interfaces import ModelUnavailable
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.tokenization import decode, decode_delta, detok_window
@@ -145,7 +145,8 @@ def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bo
         ignore_eos=bool(tu.scalar(request, "ignore_eos", False)),
         context_lookup=bool(tu.scalar(request, "context_lookup", True)),
         corpus_lookup=bool(tu.scalar(request, "corpus_lookup", True)),
-        min_tokens=int(aliased(request, "min_tokens", tu.scalar) or 0))
+        min_tokens=int(aliased(request, "min_tokens", tu.scalar) or 0),
+        cache_salt=tu.text(request, "cache_salt", "", max_bytes=MAX_CACHE_SALT_BYTES))
     return params, bool(tu.scalar(request, "stream", False))
 
 
@@ -351,4 +352,5 @@ class SpecDecodeService:
                 tu.int_tensor("num_draft_tokens", out.num_draft_tokens),
                 tu.int_tensor("num_accepted_tokens", out.num_accepted_tokens),
                 tu.int_tensor("num_rounds", out.num_rounds),
+                tu.int_tensor("num_cached_tokens", out.num_cached_tokens),
                 tu.text_tensor("finish_reason", out.finish_reason)]

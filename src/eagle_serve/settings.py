@@ -10,6 +10,7 @@ Imports no torch: preprocess and postprocess read the tokenizer folder through h
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -53,12 +54,16 @@ class ServingSettings:
     #                                            native bf16 (AVX512-BF16/AMX) except for a
     #                                            target of GGUF blocks, else float32
     page_size: int = 16
-    num_target_pages: int = 512                # KV pages of the target (x page_size positions)
-    num_drafter_pages: int = 512
+    kv_cache_gib: float = 1.0                  # the target's KV cache, in GiB: its pages hold
+    #                                            this many bytes of its keys and values
+    num_target_pages: int = 0                  # KV pages of the target (x page_size positions);
+    #                                            0 = as many as kv_cache_gib holds
+    num_drafter_pages: int = 0                 # 0 = as many as the target's
     num_draft_slots: int = 256                 # draft tokens in flight
     max_running: int = 8                       # requests in one round
     max_waiting: int = 64                      # queued beyond that; more -> "server busy"
-    max_model_len: int = 2048
+    max_model_len: int = 0                     # prompt + output tokens of a request; 0 = the
+    #                                            target's own context (max_position_embeddings)
     enable_prefix_caching: bool = True         # requests share the KV pages of a common prefix
     #                                            (eagle_serve.prefix_cache)
     max_num_batched_tokens: int = 256          # rows one round computes at most: running
@@ -159,6 +164,26 @@ class ServingSettings:
                     raise ValueError(f"spec_decode parameter {name}: not a {known[name]}: {value!r}") from None
         return cls(**values)
 
+    def resolved(self, target_dir: Path, dtype_bytes: int) -> "ServingSettings":
+        """These settings with what depends on the target filled in: max_model_len 0 -> its
+        context; page counts 0 -> what kv_cache_gib holds of its KV (dtype_bytes: the size of
+        its dtype's element). Every process of a server resolves the same numbers."""
+        cfg = _text_config(target_dir)
+        max_len = self.max_model_len or model_context(target_dir)
+        pages = self.num_target_pages
+        if not pages:
+            heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            page_bytes = 2 * cfg["num_hidden_layers"] * heads * head_dim * dtype_bytes * self.page_size
+            pages = max(1, int(self.kv_cache_gib * 2 ** 30 // page_bytes))
+        return replace(self, max_model_len=max_len, num_target_pages=pages,
+                       num_drafter_pages=self.num_drafter_pages or pages)
+
+    def kv_summary(self) -> str:
+        """What a resolved cache holds, for the log at start."""
+        return (f"KV cache: {self.num_target_pages} pages of {self.page_size} = "
+                f"{self.num_target_pages * self.page_size} tokens; max_model_len {self.max_model_len}")
+
     def model_dirs(self, repo_dir: Path) -> tuple[Path, Path | None]:
         target = paths.resolve_model_path(self.target_model or "default", repo_dir)
         if self.drafter_model in ("", "none"):
@@ -231,13 +256,17 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, settings: ServingSettings, eos_token_ids: tuple[int, ...] = ()) -> "EngineConfig":
+        """settings: resolved (ServingSettings.resolved)."""
+        assert settings.num_target_pages and settings.max_model_len, "settings not resolved"
         taken = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "eos_token_ids"}
         return cls(**taken, eos_token_ids=tuple(eos_token_ids))
 
     @classmethod
     def served(cls, **overrides) -> "EngineConfig":
-        """The shipped defaults with some fields replaced (tests, library use)."""
-        return replace(cls.from_settings(ServingSettings()), **overrides)
+        """The shipped defaults with some fields replaced (tests, library use); with no target
+        to size them from, 512 pages a pool and a context of 2048."""
+        fixed = replace(ServingSettings(), num_target_pages=512, num_drafter_pages=512, max_model_len=2048)
+        return replace(cls.from_settings(fixed), **overrides)
 
     def validate(self) -> None:
         if not 1 <= self.draft_topk <= self.max_draft_topk:
@@ -264,6 +293,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be in [0, {self.max_speculative_tokens}], "
                                  f"got {getattr(self, name)}")
         check_draft_limits(self)
+
+
+def _text_config(target_dir: Path) -> dict:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def model_context(target_dir: Path) -> int:
+    """The context a target was trained for (its max_position_embeddings)."""
+    return int(_text_config(target_dir).get("max_position_embeddings") or 2048)
 
 
 def parse_bool(value: str) -> bool:

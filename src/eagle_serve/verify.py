@@ -42,6 +42,8 @@ class EngineStats:
     rounds: int = 0
     drafts: int = 0                   # rounds (per request) that verified at least one draft
     preemptions: int = 0
+    prefix_cache_queries: int = 0     # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0        # of those, tokens found there
     kv_moves: int = 0                 # target KV positions moved after accepting off a tree's
     #                                   first path
     accepted_per_position: list[int] = field(default_factory=list)

@@ -101,6 +101,7 @@ class _Worker:
         self.dtype = self.settings.torch_dtype(self.device.type == "cuda", self.repo)
         require_features(config, *self.features, self.dtype)
         self.target_dir, self.drafter_dir = self.settings.model_dirs(self.repo)
+        self.settings = self.settings.resolved(self.target_dir, self.dtype.itemsize)
         self.epoch = random.getrandbits(62)
         if self.device.type == "cpu":
             self.settings.apply_threads(self.role)

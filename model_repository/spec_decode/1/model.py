@@ -24,6 +24,9 @@ class TritonPythonModel:
         settings = ServingSettings.from_parameters(tu.model_parameters(config))
         target_dir, drafter_dir = settings.model_dirs(tu.repository_dir(args))
         device = instance_device(args)
+        dtype = settings.torch_dtype(device.type == "cuda", tu.repository_dir(args))
+        settings = settings.resolved(target_dir, dtype.itemsize)  # as eagle_target's
+        print(f"spec_decode: {settings.kv_summary()}", flush=True)
         if device.type == "cpu":
             settings.apply_threads("engine")
         vocab = AutoConfig.from_pretrained(str(target_dir)).vocab_size

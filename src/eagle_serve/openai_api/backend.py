@@ -56,7 +56,8 @@ def read_chunk(result) -> Chunk:
                         output_tokens=int(scalar("num_output_tokens")),
                         draft_tokens=int(scalar("num_draft_tokens")),
                         accepted_tokens=int(scalar("num_accepted_tokens")),
-                        rounds=int(scalar("num_rounds")))
+                        rounds=int(scalar("num_rounds")),
+                        cached_tokens=int(scalar("num_cached_tokens")))
     return Chunk(scalar("text_output").decode("utf-8", errors="replace"), counters,
                  scalar("finish_reason").decode())
 

@@ -72,6 +72,7 @@ class SamplingRequest(BaseModel):
     draft_depth: int | None = Field(None, ge=1)
     context_lookup: bool | None = None
     corpus_lookup: bool | None = None
+    cache_salt: str | None = Field(None, max_length=256)  # vLLM's: caches shared only within a salt
 
     @property
     def include_usage(self) -> bool:
@@ -93,7 +94,8 @@ class SamplingRequest(BaseModel):
             seed=None if self.seed is None else self.seed % 2 ** 64,
             num_speculative_tokens=self.num_speculative_tokens, draft_topk=self.draft_topk,
             draft_depth=self.draft_depth, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-            stop=stop, context_lookup=self.context_lookup, corpus_lookup=self.corpus_lookup)
+            stop=stop, context_lookup=self.context_lookup, corpus_lookup=self.corpus_lookup,
+            cache_salt=self.cache_salt)
 
 
 class TextPart(BaseModel):
@@ -166,6 +168,7 @@ class GenerateParams:
     stop: list[str] = ()
     context_lookup: bool | None = None
     corpus_lookup: bool | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class Counters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rounds: int = 0
+    cached_tokens: int = 0
 
     def usage(self) -> dict:
         """OpenAI's usage, with the speculative counters in the extension field `speculative`
@@ -183,6 +187,7 @@ class Counters:
         length = acceptance_length(self.accepted_tokens, self.rounds) if self.rounds else None
         return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens,
                 "total_tokens": self.input_tokens + self.output_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "speculative": {"draft_tokens": self.draft_tokens,
                                 "accepted_tokens": self.accepted_tokens, "rounds": self.rounds,
                                 "acceptance_length": length}}

@@ -30,7 +30,7 @@ from eagle_serve.openai_api.backend import SpecDecodeClient
 from eagle_serve.openai_api.protocol import (Answer, ChatCompletionRequest, Chunk,
                                              CompletionRequest, DetokenizeRequest, OpenAIError,
                                              SamplingRequest, TokenizeRequest)
-from eagle_serve.settings import read_settings, tokenizer_dir
+from eagle_serve.settings import model_context, read_settings, tokenizer_dir
 from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
 
 
@@ -49,7 +49,7 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     target = tokenizer_dir("target", Path(config.model_repository))
     tokenizer = load_tokenizer(target)
     model_id = config.model_name or target.name
-    max_model_len = read_settings(Path(config.model_repository)).max_model_len
+    max_model_len = read_settings(Path(config.model_repository)).max_model_len or model_context(target)
     backend: SpecDecodeClient | None = None
 
     @asynccontextmanager
