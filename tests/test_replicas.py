@@ -24,6 +24,7 @@ from eagle_serve import paths
 from eagle_serve.processes import find_server
 from eagle_serve.replicas import PORT_STEP, Ports
 from server import free_ports, wait_until
+from test_openai_server import get
 
 pytestmark = pytest.mark.server
 
@@ -68,14 +69,6 @@ def free_ports_set(ports: list[int]) -> set[int]:
             except OSError:
                 pass
     return free
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:

@@ -10,9 +10,12 @@ positions and any pending tree moves), kept after their requests end, and reused
 recently used first (eagle_serve.kv_pages).
 
 The drafter follows: its position p reads the target's features at p and the token at p + 1,
-so a drafter page is named by its target page's name and the token after the page. A
-speculative request that hits the cache maps the target and drafter pages of the longest
-prefix that both hold, and drafts from its first round as if it had computed them.
+so a drafter page is named by its target page's name and the token after the page. The target
+features of every computed position are kept beside its page too (`FeatureStore`): a
+speculative request maps the drafter pages the pool holds, and catches the drafter up on the
+rest of its cached prefix from the stored features, so it drafts from its first round exactly
+as if it had computed the prefix (the drafter saw no page of a prompt that only plain requests
+sent, or whose rounds did not call it).
 
 The last token of a request is never served from the cache: its forward gives the logits of
 the first new token. A request resumed after preemption also recomputes the token before it,
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import numpy as np
+import torch
 
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.requests import Request
@@ -44,6 +48,7 @@ class PrefixCache:
         assert target.page_size == drafter.page_size
         self.target, self.drafter, self.stats, self.enabled = target, drafter, stats, enabled
         self.page_size = target.page_size
+        self.features = FeatureStore(target.num_pages, target.page_size)
 
     def keys(self, req: Request, num_pages: int) -> list[bytes]:
         """The names of the request's first `num_pages` target pages (kept in the request)."""
@@ -64,12 +69,23 @@ class PrefixCache:
         keep = 2 if req.output else 1  # positions that must be computed (module docstring)
         keys = self.keys(req, max(0, (len(req.tokens) - keep) // self.page_size))
         pages = self.target.cached(keys)
+        drafted = 0
         if req.k:
             drafter_pages = self.drafter.cached([self.drafter_key(req, j) for j in range(len(pages))])
-            pages = pages[:len(drafter_pages)]
+            drafted = len(drafter_pages)
+            pages = pages[:drafted + self.features.run(pages[drafted:])]
             self.drafter.map(req.drafter_pages, drafter_pages)
+            if len(pages) > drafted:  # the drafter catches up on these from their features
+                req.undrafted = [self.features.gather(pages[drafted:])]
         self.target.map(req.target_pages, pages)
-        req.num_computed = req.draft_computed = len(pages) * self.page_size
+        req.num_computed = len(pages) * self.page_size
+        req.draft_computed = drafted * self.page_size if req.k else req.num_computed
+
+    def store_features(self, spans: list[tuple[Request, int, int]], features: torch.Tensor) -> None:
+        """spans: (request, first position, n) each; features [sum n, F]: the target's at those
+        positions, in that order."""
+        if self.enabled and features.shape[0]:
+            self.features.store([(req.target_pages, start, n) for req, start, n in spans], features)
 
     def count(self, req: Request) -> None:
         """The request was admitted: count its lookup (the first admission sets its
@@ -101,3 +117,40 @@ class PrefixCache:
         """The models lost their KV: no cached page holds what its name says any more."""
         self.target.clear_cache()
         self.drafter.clear_cache()
+
+
+class FeatureStore:
+    """The target's features at each position of each target page ([pages, page_size, F] on
+    the features' device, allocated at the first store). A page's features are whole once its
+    last position was stored; its owner stores them from its first position on (pages are
+    handed out empty and filled in order), which marks them not whole until done."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.page_size = page_size
+        self.data: torch.Tensor | None = None
+        self.whole = np.zeros(num_pages, dtype=np.bool_)
+
+    def store(self, spans: list[tuple[list[int], int, int]], features: torch.Tensor) -> None:
+        """spans: (block table, first position, n) each; features [sum n, F] in that order."""
+        size = self.page_size
+        if self.data is None:
+            self.data = features.new_zeros((len(self.whole), size, features.shape[1]))
+        offsets = np.concatenate([np.arange(start, start + n) for _, start, n in spans]) % size
+        pages = np.concatenate([np.asarray(table)[np.arange(start, start + n) // size]
+                                for table, start, n in spans])
+        self.whole[pages[offsets == 0]] = False
+        slots = torch.as_tensor(pages * size + offsets, device=features.device)
+        self.data.view(-1, features.shape[1]).index_copy_(0, slots, features.to(self.data.dtype))
+        self.whole[pages[offsets == size - 1]] = True
+
+    def run(self, pages: list[int]) -> int:
+        """How many of `pages`, from the first, have whole features."""
+        count = 0
+        while count < len(pages) and self.whole[pages[count]]:
+            count += 1
+        return count
+
+    def gather(self, pages: list[int]) -> torch.Tensor:
+        """-> [len(pages) * page_size, F], in position order."""
+        index = torch.as_tensor(pages, device=self.data.device)
+        return self.data.index_select(0, index).flatten(0, 1)

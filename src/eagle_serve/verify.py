@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -254,11 +255,13 @@ def coupled_samples(req: Request, probs: torch.Tensor) -> torch.Tensor:
 
 
 def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict], pool: PagePool,
-            workspace: DraftWorkspace, stats: EngineStats,
-            eos_token_ids: tuple[int, ...]) -> list[DraftWork]:
+            workspace: DraftWorkspace, stats: EngineStats, eos_token_ids: tuple[int, ...],
+            store: Callable[[list, torch.Tensor], None] | None = None) -> list[DraftWork]:
     """Append accepted tokens, roll back KV and update the counters. -> drafter work of the
-    speculative requests that go on."""
-    going, rows = [], []
+    speculative requests that go on. store([(req, first position, n)], features [sum n, F]) is
+    given the features of every request's newly computed positions (the prefix cache keeps
+    them)."""
+    going, rows, computed = [], [], []
     for r in vb.rows:
         req = r.req
         verdict = verdicts.get(req.id)
@@ -267,6 +270,10 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
             _count_round(req, path, stats)
             req.append(verdict.tokens, eos_token_ids)
         base = req.num_computed + r.num_real  # position of draft node 0
+        new_rows = (list(range(r.first_row, r.first_row + r.num_real))
+                    + [r.first_row + r.num_real + i for i in path])
+        if store is not None:
+            computed.append((req, req.num_computed, new_rows))
         req.num_computed = base + len(path)
         req.kv_moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
         stats.kv_moves += len(req.kv_moves)
@@ -275,9 +282,11 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
         keep = max([req.num_computed] + [a + 1 for a, _ in req.kv_moves])
         pool.shrink(req.target_pages, keep)
         if req.k and not req.finish_reason:
-            rows.append(list(range(r.first_row, r.first_row + r.num_real))
-                        + [r.first_row + r.num_real + i for i in path])
+            rows.append(new_rows)
             going.append(r)
+    if computed:  # one gather, one scatter
+        index = int_tensor([i for _, _, per_req in computed for i in per_req], result.hidden.device)
+        store([(req, start, len(x)) for req, start, x in computed], result.hidden.index_select(0, index))
     if not going:
         return []
     index = int_tensor([i for per_req in rows for i in per_req], result.hidden.device)  # one copy

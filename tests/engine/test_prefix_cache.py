@@ -218,3 +218,20 @@ def test_pages_are_never_freed_while_mapped_and_none_leak(ops):
     for table in tables:
         pool.release(table)
     assert pool.num_free == pool.num_pages and sorted(pool._free + list(pool._idle)) == list(range(12))
+
+
+@pytest.mark.parametrize("first_k", [0, 3])
+def test_a_speculative_hit_on_pages_the_drafter_never_saw_catches_up_from_their_features(
+        tiny_target, eagle3_head, shared_prompts, first_k):
+    """The first request runs plain (the drafter sees nothing) or drafts: either way the second
+    maps the whole cached prefix and drafts exactly as without the cache."""
+    runs = []
+    for caching in (True, False):
+        engine = tiny_engine(tiny_target, eagle3_head, enable_prefix_caching=caching)
+        engine.generate([shared_prompts[0]], greedy(first_k))
+        runs.append(engine.generate([shared_prompts[1]], greedy(3))[0])
+    hit, cold = runs
+    assert hit.last.num_cached_tokens == 2 * PAGE and cold.last.num_cached_tokens == 0
+    assert hit.token_ids == cold.token_ids
+    assert (hit.last.num_rounds, hit.last.num_draft_tokens, hit.last.num_accepted_tokens) == \
+        (cold.last.num_rounds, cold.last.num_draft_tokens, cold.last.num_accepted_tokens)
