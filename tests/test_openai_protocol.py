@@ -21,11 +21,15 @@ def test_request_fields_become_spec_decode_inputs():
     assert (params.temperature, params.draft_topk, params.top_p) == (0.5, 2, None)
     assert chat_request(stop=["a", "b"]).params().stop == ["a", "b"]
     assert chat_request(min_tokens=3).params().min_tokens == 3 and chat_request().params().min_tokens is None
+    assert chat_request().params().max_tokens == -1  # unset: to the end of the context (vLLM's)
 
 
 @pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("presence_penalty", 0.5),
                                           ("tools", [{"type": "function"}]), ("best_of", 3),
-                                          ("response_format", {"type": "json_object"})])
+                                          ("response_format", {"type": "json_object"}),
+                                          ("min_p", 0.1), ("stop_token_ids", [2]),
+                                          ("reasoning_effort", "low"), ("prediction", {"type": "content"}),
+                                          ("guided_json", {"type": "object"}), ("skip_special_tokens", False)])
 def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(OpenAIError) as caught:
         chat_request(**{field: value}).check_supported()
@@ -34,7 +38,14 @@ def test_unsupported_fields_are_refused_by_name(field, value):
 
 def test_unsupported_fields_at_their_defaults_and_unknown_fields_pass():
     chat_request(n=1, logprobs=False, presence_penalty=0, tools=[], user="me", store=False,
-                 response_format={"type": "text"}).check_supported()
+                 response_format={"type": "text"}, min_p=0.0, stop_token_ids=[]).check_supported()
+
+
+def test_what_vllm_router_adds_to_a_forwarded_request_passes():
+    routed = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+              "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+              "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+    chat_request(**routed).check_supported()
 
 
 def test_a_completion_takes_one_prompt():

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 
 import torch
 
@@ -46,6 +47,9 @@ from eagle_serve.verify import DraftWork, EngineStats
 from eagle_serve.workspace import DraftWorkspace
 
 log = logging.getLogger(__name__)
+
+
+TO_THE_END = -1  # max_tokens: as many as the context holds (vLLM's unset max_tokens, llama.cpp's -1)
 
 
 class EngineBusy(RuntimeError):
@@ -91,6 +95,9 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; raises ValueError (bad request) or EngineBusy."""
         cfg = self.config
+        to_the_end = params.max_tokens == TO_THE_END
+        if to_the_end:  # settled below, once the request's own KV needs are known
+            params = replace(params, max_tokens=max(1, params.min_tokens))
         params.validate(cfg, cfg.max_speculative_tokens if self.drafter else 0)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -108,6 +115,13 @@ class Engine:
         req = Request(request_id if request_id is not None else f"req-{next(self._ids)}",
                       len(prompt_ids), params, k, seed % (1 << 63), stop, list(prompt_ids))
         self.policy.setup_request(req)
+        if to_the_end:
+            room = min(cfg.max_model_len, self.scheduler.longest(req)) - len(prompt_ids)
+            if room < max(1, params.min_tokens):
+                raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves room for {max(0, room)} "
+                                 f"output tokens (max_model_len {cfg.max_model_len}), fewer than asked")
+            req.params = replace(req.params, max_tokens=room)
+            total = len(prompt_ids) + room
         self.scheduler.can_ever_hold(req, total)
         with self._lock:
             if len(self.waiting) + len(self._inbox) >= cfg.max_waiting:

@@ -88,6 +88,14 @@ class Scheduler:
         t, d = self._need(req)
         return self.target_pool.grow(req.target_pages, t) and self.drafter_pool.grow(req.drafter_pages, d)
 
+    def longest(self, req: Request) -> int:
+        """The most tokens (prompt + output) the request could ever hold (the pools empty)."""
+        size = self.config.page_size
+        longest = self.target_pool.num_pages * size - (req.k + req.lookup_budget + 1)
+        if req.k:
+            longest = min(longest, self.drafter_pool.num_pages * size - (req.drafter_scratch() + 1))
+        return longest
+
     def can_ever_hold(self, req: Request, total_tokens: int) -> None:
         """ValueError if the request could not fit even an empty cache."""
         need = [(self.target_pool, total_tokens + req.k + req.lookup_budget + 1)]

@@ -187,3 +187,18 @@ def test_any_mix_of_finish_cancel_and_preempt_leaks_nothing(tiny_target, prompts
         engine.step()
     assert engine.idle_counts() == {"target_pages_free": 10, "drafter_pages_free": 10,
                                     "draft_slots_free": 12}
+
+
+def test_max_tokens_minus_one_runs_to_the_end_of_the_context_or_of_the_cache(tiny_target, eagle3_head):
+    from eagle_serve.engine import TO_THE_END
+    prompt = [5, 6, 7, 8, 9]
+    context = tiny_engine(tiny_target, eagle3_head, max_model_len=40)
+    result = context.generate([prompt], SamplingParams(max_tokens=TO_THE_END, ignore_eos=True,
+                                                       num_speculative_tokens=3))[0]
+    assert len(result.token_ids) == 40 - len(prompt) and result.finish_reason == "length"
+    small = tiny_engine(tiny_target, eagle3_head, num_target_pages=4, num_drafter_pages=4)  # 64 tokens
+    result = small.generate([prompt], SamplingParams(max_tokens=TO_THE_END, ignore_eos=True,
+                                                     num_speculative_tokens=3))[0]
+    assert len(prompt) + len(result.token_ids) == 64 - (3 + 1)  # the pool less one round's drafts
+    with pytest.raises(ValueError, match="max_model_len"):  # no room left for output
+        context.add_request(list(range(3, 43)), SamplingParams(max_tokens=TO_THE_END))

@@ -16,12 +16,23 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle_serve.requests import acceptance_length
 
-# Fields this server cannot honour -> the values that ask for nothing; others get a 400.
+# Fields this server cannot honour -> the values that ask for nothing; others get a 400 naming
+# the field. The neutral values include what vllm-router adds to every request it forwards
+# (logprobs false, skip_special_tokens true, ...: docs/deploy.md).
 UNSUPPORTED = {
     "logprobs": (False, 0), "top_logprobs": (0,), "prompt_logprobs": (0,), "logit_bias": ({},),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},), "best_of": (1,),
-    "echo": (False,), "suffix": ("",)}
+    "min_p": (0,), "stop_token_ids": ([],), "bad_words": ([],), "allowed_token_ids": ([],),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "prediction": (), "audio": (),
+    "modalities": (["text"],), "reasoning_effort": (), "logits_processors": (), "prompt_embeds": (),
+    "return_hidden_states": (False,), "continue_final_message": (False,), "no_stop_trim": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "separate_reasoning": (True, False),
+    "stream_reasoning": (True, False), "include_reasoning": (True, False)}
+TO_THE_END = -1  # spec_decode's max_tokens: as many tokens as the context holds
 MAX_TEXT_CHARS = 1 << 20  # /tokenize and /detokenize: bounded work for a client-sized input
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # spec_decode -> OpenAI
 
@@ -88,8 +99,8 @@ class SamplingRequest(BaseModel):
 
     def params(self) -> "GenerateParams":
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return GenerateParams(
-            max_tokens=self.max_completion_tokens or self.max_tokens,
+        return GenerateParams(  # without max_tokens: to the end of the context, as vLLM's
+            max_tokens=self.max_completion_tokens or self.max_tokens or TO_THE_END,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=None if self.seed is None else self.seed % 2 ** 64,
             num_speculative_tokens=self.num_speculative_tokens, draft_topk=self.draft_topk,
