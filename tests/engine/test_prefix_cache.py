@@ -235,3 +235,55 @@ def test_a_speculative_hit_on_pages_the_drafter_never_saw_catches_up_from_their_
     assert hit.token_ids == cold.token_ids
     assert (hit.last.num_rounds, hit.last.num_draft_tokens, hit.last.num_accepted_tokens) == \
         (cold.last.num_rounds, cold.last.num_draft_tokens, cold.last.num_accepted_tokens)
+
+
+def test_page_names_depend_on_the_whole_prefix_and_the_salt_only():
+    from eagle_serve.prefix_cache import PrefixCache
+    from eagle_serve.requests import Request
+    from eagle_serve.verify import EngineStats
+
+    cache = PrefixCache(PagePool(8, 4), PagePool(8, 4), EngineStats())
+
+    def names(tokens, salt=""):
+        req = Request("r", len(tokens), SamplingParams(cache_salt=salt), 0, 0, None, list(tokens))
+        return cache.keys(req, len(tokens) // 4)
+
+    base = names(range(12))
+    assert names(range(12)) == base and len(set(base)) == 3
+    assert names([*range(8), 9, 9, 9, 9])[:2] == base[:2] != names([*range(8), 9, 9, 9, 9])[2:]
+    changed_first = names([99, *range(1, 12)])
+    assert all(a != b for a, b in zip(changed_first, base))  # a change reaches every later page
+    assert all(a != b for a, b in zip(names(range(12), "tenant"), base))
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 30), st.sampled_from([0, 2, 4]),
+                          st.booleans()), min_size=1, max_size=8))
+def test_random_request_streams_give_plain_output_and_leak_no_page(tiny_target, eagle3_head, hf_greedy,
+                                                                    stream):
+    """stream: (prefix choice, suffix length, k, aborted) per request, sent in two waves over a
+    20-page pool: shared prefixes hit, pages are evicted and requests preempted or cancelled;
+    every request that finishes gives plain greedy decoding's tokens, and every page comes back."""
+    rng = random.Random(len(stream))
+    prefixes = [[rng.randrange(3, 49152) for _ in range(n)] for n in (0, 16, 20, 33, 40, 47)]
+    engine = tiny_engine(tiny_target, eagle3_head, num_target_pages=20, num_drafter_pages=20,
+                         max_num_batched_tokens=24)
+    for wave in (stream[::2], stream[1::2]):
+        ids = {}
+        for choice, n, k, aborted in wave:
+            prompt = prefixes[choice] + [rng.randrange(3, 49152) for _ in range(n)]
+            ids[engine.add_request(prompt, greedy(k, max_tokens=8))] = (prompt, aborted)
+        tokens = {i: [] for i in ids}
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        for i, (_, aborted) in ids.items():
+            if aborted:
+                engine.abort(i)
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        for i, (prompt, aborted) in ids.items():
+            if not aborted:
+                assert tokens[i] == hf_greedy(prompt, 8)
+    assert engine.idle_counts() == {"target_pages_free": 20, "drafter_pages_free": 20,
+                                    "draft_slots_free": 128}
