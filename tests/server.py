@@ -24,6 +24,7 @@ from typing import Callable
 from eagle_serve import paths
 from eagle_serve.repo_config import copy_repository
 from eagle_serve.serve import server_command, server_environment
+from eagle_serve.settings import CONFIG_NAME_ENV
 
 READY_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
@@ -98,8 +99,9 @@ def launch(name: str, repo: Path, log_path: Path, model_config_name: str | None 
     cmd = server_command(repo, http, grpc, metrics, ["--exit-timeout-secs=3"],
                          model_config_name, admin=admin)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                   env=server_environment(), start_new_session=True)
+        env = server_environment() | ({CONFIG_NAME_ENV: model_config_name} if model_config_name else {})
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
     server = TritonServer(name, repo, log_path, http, grpc, metrics, process, admin)
     started = time.monotonic()
     try:

@@ -168,3 +168,14 @@ def test_a_worker_refuses_to_load_without_the_features_its_auto_complete_declare
         require_features(auto_completed(model, "config.pbtxt"), direction, name, dtype)
         with pytest.raises(ValueError, match="--disable-auto-complete-config"):
             require_features(as_dict(REPO / model / "config.pbtxt"), direction, name, dtype)
+
+
+def test_the_settings_come_from_the_config_triton_loads(monkeypatch):
+    from eagle_serve.settings import CONFIG_NAME_ENV, settings_file
+    monkeypatch.delenv(CONFIG_NAME_ENV, raising=False)
+    assert settings_file(REPO) == REPO / "spec_decode" / "config.pbtxt"
+    monkeypatch.setenv(CONFIG_NAME_ENV, "gpu")
+    assert settings_file(REPO) == REPO / "spec_decode" / "configs" / "gpu.pbtxt"
+    assert read_settings(REPO).max_num_batched_tokens == 256
+    monkeypatch.setenv(CONFIG_NAME_ENV, "no-such-config")  # Triton falls back to config.pbtxt too
+    assert settings_file(REPO) == REPO / "spec_decode" / "config.pbtxt"

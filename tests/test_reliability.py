@@ -28,7 +28,7 @@ def small_cache_server(triton_server, tiny_models):
 
 BAD = [
     (dict(max_tokens=0), "max_tokens must be >= 1"),
-    (dict(max_tokens=3000), "exceeds max_model_len"),
+    (dict(max_tokens=5000), "exceeds max_model_len"),  # the tiny model reads 4,096 tokens
     (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
     (dict(top_p=0.0), "top_p must be in (0, 1]"),
     (dict(top_p=1.5), "top_p must be in (0, 1]"),

@@ -50,3 +50,40 @@ def test_a_qwen3_target_with_a_speculators_head_serves_hf_greedy_output_with_and
                 assert got.counters["num_draft_tokens"] > 0
             outputs[k] = got.output_ids
         assert outputs[0] == outputs[3] == outputs[6] == expected
+
+
+def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_models):
+    """Served with --model-config-name=gpu (its instances made CPU ones to run here), every model
+    reads spec_decode's configs/gpu.pbtxt: there alone it names the tiny float64 model, while
+    config.pbtxt still names the default one, and the output is the tiny model's."""
+    import re
+
+    from eagle_serve.repo_config import copy_repository, set_parameter
+    from eagle_serve.testing import tiny_engine
+    from eagle_serve.requests import SamplingParams
+    from server import launch
+
+    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo")
+    for config in repo.glob("*/configs/gpu.pbtxt"):
+        text = re.sub(r"kind: KIND_GPU gpus: \[ 0 \]", "kind: KIND_CPU", config.read_text())
+        if config.parent.parent.name == "spec_decode":
+            for key, value in {"target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+                               "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
+                               "num_target_pages": "256", "num_drafter_pages": "256", **CHAINS}.items():
+                text = set_parameter(text, key, value)
+        config.write_text(text)
+    server = launch("gpu-config-on-cpu", repo, tmp_path / "server.log", model_config_name="gpu")
+    try:
+        log = server.log_path.read_text()
+        for model in ("eagle_target", "eagle_drafter"):
+            assert f"{model}: settings from {repo / 'spec_decode' / 'configs' / 'gpu.pbtxt'}" in log
+        tokenizer = AutoTokenizer.from_pretrained(str(tiny_models["target"]))
+        engine = tiny_engine(tiny_models["target"])
+        for prompt in PROMPTS[:2]:
+            got = grpc_generate(server.grpc_url, prompt, max_tokens=12, ignore_eos=True)
+            assert got.error is None and got.counters["num_draft_tokens"] > 0
+            plain = engine.generate([encode_prompt(tokenizer, prompt)],
+                                    SamplingParams(max_tokens=12, ignore_eos=True, num_speculative_tokens=0))
+            assert got.output_ids == plain[0].token_ids
+    finally:
+        server.stop()

@@ -21,6 +21,7 @@ import sysconfig
 from pathlib import Path
 
 from eagle_serve import paths
+from eagle_serve.settings import CONFIG_NAME_ENV
 
 
 def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     http_port = int(os.environ.get("HTTP_PORT", 8000))
     grpc_port, metrics_port = int(os.environ.get("GRPC_PORT", 8001)), int(os.environ.get("METRICS_PORT", 8002))
+    if args.model_config_name:  # the models read their settings from the same config (settings_file)
+        os.environ[CONFIG_NAME_ENV] = args.model_config_name
     key = admin_key()
     cmd = server_command(Path(args.model_repository), http_port, grpc_port, metrics_port,
                          ["--exit-timeout-secs=10", *extra], args.model_config_name, admin=key)

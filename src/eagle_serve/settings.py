@@ -11,6 +11,7 @@ Imports no torch: preprocess and postprocess read the tokenizer folder through h
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -355,12 +356,25 @@ def chat_template_default(repo_dir: Path) -> bool:
     return read_settings(repo_dir).apply_chat_template
 
 
+CONFIG_NAME_ENV = "EAGLE_MODEL_CONFIG_NAME"  # tritonserver's --model-config-name (eagle_serve.serve)
+
+
+def settings_file(repo_dir: Path) -> Path:
+    """The spec_decode config Triton loads: configs/<name>.pbtxt when the server runs with
+    --model-config-name=<name> (EAGLE_MODEL_CONFIG_NAME, which eagle_serve.serve sets for
+    tritonserver and its models) and the repository has it, else config.pbtxt. Every model and
+    the OpenAI server read the settings from this one file, so an edit reaches all of them."""
+    name = os.environ.get(CONFIG_NAME_ENV)
+    alternative = Path(repo_dir) / "spec_decode" / "configs" / f"{name}.pbtxt"
+    return alternative if name and alternative.exists() else Path(repo_dir) / "spec_decode" / "config.pbtxt"
+
+
 def read_settings(repo_dir: Path) -> ServingSettings:
-    """The parameters of <repo>/spec_decode/config.pbtxt."""
+    """The parameters of spec_decode's config that Triton loads (settings_file)."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    text = (Path(repo_dir) / "spec_decode" / "config.pbtxt").read_text()
+    text = settings_file(repo_dir).read_text()
     config = text_format.Parse(text, model_config_pb2.ModelConfig())
     return ServingSettings.from_parameters(
         {k: v.string_value for k, v in config.parameters.items()})

@@ -28,7 +28,7 @@ from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
 from eagle_serve.bls import (ban_from_request, batch_from_request, input_tensor, optional_pair,
                              response_tensors, shapes_from_request)
-from eagle_serve.settings import read_settings
+from eagle_serve.settings import read_settings, settings_file
 from kernels.warmup import warm_drafter, warm_target
 
 
@@ -97,6 +97,7 @@ class _Worker:
         self.hang_file = Path(hang) if hang else None
         self.repo = tu.repository_dir(args)
         self.settings = read_settings(self.repo)
+        print(f"eagle_{self.role}: settings from {settings_file(self.repo)}", flush=True)
         self.device = instance_device(args)
         self.dtype = self.settings.torch_dtype(self.device.type == "cuda", self.repo)
         require_features(config, *self.features, self.dtype)
