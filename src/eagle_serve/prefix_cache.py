@@ -102,13 +102,16 @@ class PrefixCache:
         if not self.enabled:
             return
         size = self.page_size
-        final = min([req.num_computed] + [dst for _, dst in req.kv_moves])
+        # a stop string cuts the tokens after it: positions past the cut hold KV of tokens the
+        # request no longer has, so pages are named only below its tokens
+        final = min([req.num_computed, len(req.tokens)] + [dst for _, dst in req.kv_moves])
         keys = self.keys(req, min(final // size, len(req.target_pages)))
         for j in range(req.published_target, len(keys)):
             self.target.name_page(req.target_pages[j], keys[j])
         req.published_target = max(req.published_target, len(keys))
-        if req.k:
-            done = min(req.draft_computed // size, len(keys), len(req.drafter_pages))
+        if req.k:  # a drafter page's name also holds the token after it
+            done = min(req.draft_computed // size, (len(req.tokens) - 1) // size, len(keys),
+                       len(req.drafter_pages))
             for j in range(req.published_drafter, done):
                 self.drafter.name_page(req.drafter_pages[j], self.drafter_key(req, j))
             req.published_drafter = max(req.published_drafter, done)

@@ -287,3 +287,21 @@ def test_random_request_streams_give_plain_output_and_leak_no_page(tiny_target, 
                 assert tokens[i] == hf_greedy(prompt, 8)
     assert engine.idle_counts() == {"target_pages_free": 20, "drafter_pages_free": 20,
                                     "draft_slots_free": 128}
+
+
+def test_pages_past_a_stop_string_cut_are_not_named():
+    """A stop string cuts tokens whose KV was computed: pages are named only below the tokens
+    the request keeps (a name over fewer tokens would serve another prompt wrong KV)."""
+    from eagle_serve.prefix_cache import PrefixCache
+    from eagle_serve.requests import Request
+    from eagle_serve.verify import EngineStats
+
+    target, drafter = PagePool(8, 4), PagePool(8, 4)
+    cache = PrefixCache(target, drafter, EngineStats())
+    req = Request("r", 6, SamplingParams(), 2, 0, None, list(range(3, 17)))  # 14 tokens
+    assert target.grow(req.target_pages, 16) and drafter.grow(req.drafter_pages, 16)
+    req.num_computed = req.draft_computed = 16
+    del req.tokens[9:]  # the cut: 9 tokens kept, KV computed for 16
+    cache.publish(req)
+    assert req.published_target == 2 and req.published_drafter == 2  # positions 0-7 only
+    assert target.num_cached == 2 and drafter.num_cached == 2
