@@ -174,7 +174,8 @@ class Engine:
             verdicts = verify.accept(result, vb, self.workspace, self.target.vocab_size, self.device)
             if all(r.num_real == 1 for r in vb.rows):  # decode/verify rows only: the draft costs
                 self.policy.costs.record_target(vb.batch.input_ids.shape[0], time.perf_counter() - start)
-            store = self.scheduler.prefix.store_features if self.drafter is not None else None
+            prefix = self.scheduler.prefix
+            store = prefix if self.drafter is not None and prefix.enabled else None
             work = verify.advance(result, vb, verdicts, self.target_pool, self.workspace,
                                   self.stats, self.config.eos_token_ids, store)
             for req in reqs:  # before a finished request gives its pages back

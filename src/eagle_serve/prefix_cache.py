@@ -81,11 +81,16 @@ class PrefixCache:
         req.num_computed = len(pages) * self.page_size
         req.draft_computed = drafted * self.page_size if req.k else req.num_computed
 
-    def store_features(self, spans: list[tuple[Request, int, int]], features: torch.Tensor) -> None:
-        """spans: (request, first position, n) each; features [sum n, F]: the target's at those
-        positions, in that order."""
-        if self.enabled and features.shape[0]:
-            self.features.store([(req.target_pages, start, n) for req, start, n in spans], features)
+    def plan(self, spans: list[tuple[Request, int, int]]) -> list[int]:
+        """spans: (request, first position, n) each, computed this round -> where their
+        features go in the store (verify.advance writes them there with `write`)."""
+        if not self.enabled:
+            return []
+        return self.features.plan([(req.target_pages, start, n) for req, start, n in spans])
+
+    def write(self, where: torch.Tensor, features: torch.Tensor) -> None:
+        if self.enabled:
+            self.features.write(where, features)
 
     def count(self, req: Request) -> None:
         """The request was admitted: count its lookup (the first admission sets its
@@ -133,18 +138,25 @@ class FeatureStore:
         self.data: torch.Tensor | None = None
         self.whole = np.zeros(num_pages, dtype=np.bool_)
 
-    def store(self, spans: list[tuple[list[int], int, int]], features: torch.Tensor) -> None:
-        """spans: (block table, first position, n) each; features [sum n, F] in that order."""
+    def plan(self, spans: list[tuple[list[int], int, int]]) -> list[int]:
+        """spans: (block table, first position, n) each -> the store's rows for those positions,
+        in order; their pages' features are whole once the write that follows is done."""
         size = self.page_size
-        if self.data is None:
-            self.data = features.new_zeros((len(self.whole), size, features.shape[1]))
-        offsets = np.concatenate([np.arange(start, start + n) for _, start, n in spans]) % size
-        pages = np.concatenate([np.asarray(table)[np.arange(start, start + n) // size]
+        positions = np.concatenate([np.arange(start, start + n) for _, start, n in spans])
+        pages = np.concatenate([np.asarray(table, dtype=np.int64)[np.arange(start, start + n) // size]
                                 for table, start, n in spans])
+        offsets = positions % size
         self.whole[pages[offsets == 0]] = False
-        slots = torch.as_tensor(pages * size + offsets, device=features.device)
-        self.data.view(-1, features.shape[1]).index_copy_(0, slots, features.to(self.data.dtype))
         self.whole[pages[offsets == size - 1]] = True
+        return (pages * size + offsets).tolist()
+
+    def write(self, where: torch.Tensor, features: torch.Tensor) -> None:
+        """where [N]: rows from `plan`, on features' device; features [N, F]."""
+        if not features.shape[0]:
+            return
+        if self.data is None:
+            self.data = features.new_zeros((len(self.whole), self.page_size, features.shape[1]))
+        self.data.view(-1, features.shape[1]).index_copy_(0, where, features.to(self.data.dtype))
 
     def run(self, pages: list[int]) -> int:
         """How many of `pages`, from the first, have whole features."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -256,12 +255,12 @@ def coupled_samples(req: Request, probs: torch.Tensor) -> torch.Tensor:
 
 def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict], pool: PagePool,
             workspace: DraftWorkspace, stats: EngineStats, eos_token_ids: tuple[int, ...],
-            store: Callable[[list, torch.Tensor], None] | None = None) -> list[DraftWork]:
+            store=None) -> list[DraftWork]:
     """Append accepted tokens, roll back KV and update the counters. -> drafter work of the
-    speculative requests that go on. store([(req, first position, n)], features [sum n, F]) is
-    given the features of every request's newly computed positions (the prefix cache keeps
-    them)."""
-    going, rows, computed = [], [], []
+    speculative requests that go on. store (the prefix cache's features, or None) keeps the
+    features of every request's newly computed positions: its `plan([(req, first position,
+    n)])` says where (host ints), `write(where [N], features [N, F])` puts them there."""
+    spans = []  # (VerifyRows, first position, its rows of the batch: real rows + accepted path)
     for r in vb.rows:
         req = r.req
         verdict = verdicts.get(req.id)
@@ -270,10 +269,8 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
             _count_round(req, path, stats)
             req.append(verdict.tokens, eos_token_ids)
         base = req.num_computed + r.num_real  # position of draft node 0
-        new_rows = (list(range(r.first_row, r.first_row + r.num_real))
-                    + [r.first_row + r.num_real + i for i in path])
-        if store is not None:
-            computed.append((req, req.num_computed, new_rows))
+        spans.append((r, req.num_computed, list(range(r.first_row, r.first_row + r.num_real))
+                      + [r.first_row + r.num_real + i for i in path]))
         req.num_computed = base + len(path)
         req.kv_moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
         stats.kv_moves += len(req.kv_moves)
@@ -281,22 +278,23 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
         req.clear_drafts()
         keep = max([req.num_computed] + [a + 1 for a, _ in req.kv_moves])
         pool.shrink(req.target_pages, keep)
-        if req.k and not req.finish_reason:
-            rows.append(new_rows)
-            going.append(r)
-    if computed:  # one gather, one scatter
-        index = int_tensor([i for _, _, per_req in computed for i in per_req], result.hidden.device)
-        store([(req, start, len(x)) for req, start, x in computed], result.hidden.index_select(0, index))
-    if not going:
+    going = [span for span in spans if span[0].req.k and not span[0].req.finish_reason]
+    gathered = spans if store is not None else going
+    if not any(rows for _, _, rows in gathered):
         return []
-    index = int_tensor([i for per_req in rows for i in per_req], result.hidden.device)  # one copy
-    features = result.hidden.index_select(0, index).split([len(x) for x in rows])
+    index = [i for _, _, rows in gathered for i in rows]
+    where = store.plan([(r.req, start, len(rows)) for r, start, rows in gathered]) if store else []
+    packed = int_tensor(index + list(where), result.hidden.device)  # one copy for both
+    features = result.hidden.index_select(0, packed[:len(index)])
+    if store is not None:
+        store.write(packed[len(index):], features)
+    pieces = dict(zip([id(r) for r, _, _ in gathered], features.split([len(x) for _, _, x in gathered])))
     work = []
-    for r, f in zip(going, features):
+    for r, _, _ in going:
         if r.partial:  # the drafter catches up on the whole prompt once it is computed
-            r.req.undrafted.append(f)
+            r.req.undrafted.append(pieces[id(r)])
         else:
-            work.append(DraftWork(r.req, f))
+            work.append(DraftWork(r.req, pieces[id(r)]))
     return work
 
 
