@@ -39,7 +39,7 @@ from eagle_serve.draft_round import propose_drafts
 from eagle_serve.drafting import DraftPolicy
 from eagle_serve.lookup import CorpusIndex
 from eagle_serve.interfaces import DrafterRunner, KVLost, ModelUnavailable, TargetRunner
-from eagle_serve.requests import Completion, Request, RequestOutput, SamplingParams
+from eagle_serve.requests import TO_THE_END, Completion, Request, RequestOutput, SamplingParams
 from eagle_serve.scheduler import Scheduler
 from eagle_serve.settings import EngineConfig
 from eagle_serve.stopping import StopChecker
@@ -47,9 +47,6 @@ from eagle_serve.verify import DraftWork, EngineStats
 from eagle_serve.workspace import DraftWorkspace
 
 log = logging.getLogger(__name__)
-
-
-TO_THE_END = -1  # max_tokens: as many as the context holds (vLLM's unset max_tokens, llama.cpp's -1)
 
 
 class EngineBusy(RuntimeError):
@@ -179,7 +176,7 @@ class Engine:
             work = verify.advance(result, vb, verdicts, self.target_pool, self.workspace,
                                   self.stats, self.config.eos_token_ids, store)
             for req in reqs:  # before a finished request gives its pages back
-                self.scheduler.prefix.publish(req)
+                prefix.publish(req)
         except KVLost:  # tokens verified so far stand; all KV is recomputed
             self._preempt_all()
             return []

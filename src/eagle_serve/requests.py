@@ -49,6 +49,7 @@ class AcceptanceRecord:
 
 
 MAX_CACHE_SALT_BYTES = 256
+TO_THE_END = -1  # max_tokens: as many as the context holds (vLLM's unset max_tokens, llama.cpp's -1)
 
 
 @dataclass(frozen=True)

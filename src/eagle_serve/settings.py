@@ -170,7 +170,7 @@ class ServingSettings:
         context; page counts 0 -> what kv_cache_gib holds of its KV (dtype_bytes: the size of
         its dtype's element). Every process of a server resolves the same numbers."""
         cfg = _text_config(target_dir)
-        max_len = self.max_model_len or model_context(target_dir)
+        max_len = self.max_model_len or _context(cfg)
         pages = self.num_target_pages
         if not pages:
             heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
@@ -301,9 +301,13 @@ def _text_config(target_dir: Path) -> dict:
     return cfg.get("text_config", cfg)
 
 
+def _context(cfg: dict) -> int:
+    return int(cfg.get("max_position_embeddings") or 2048)
+
+
 def model_context(target_dir: Path) -> int:
     """The context a target was trained for (its max_position_embeddings)."""
-    return int(_text_config(target_dir).get("max_position_embeddings") or 2048)
+    return _context(_text_config(target_dir))
 
 
 def parse_bool(value: str) -> bool:

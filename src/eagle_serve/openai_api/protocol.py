@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from eagle_serve.requests import acceptance_length
+from eagle_serve.requests import MAX_CACHE_SALT_BYTES, TO_THE_END, acceptance_length
 
 # Fields this server cannot honour -> the values that ask for nothing; others get a 400 naming
 # the field. The neutral values include what vllm-router adds to every request it forwards
@@ -32,7 +32,6 @@ UNSUPPORTED = {
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,), "separate_reasoning": (True, False),
     "stream_reasoning": (True, False), "include_reasoning": (True, False)}
-TO_THE_END = -1  # spec_decode's max_tokens: as many tokens as the context holds
 MAX_TEXT_CHARS = 1 << 20  # /tokenize and /detokenize: bounded work for a client-sized input
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # spec_decode -> OpenAI
 
@@ -83,7 +82,7 @@ class SamplingRequest(BaseModel):
     draft_depth: int | None = Field(None, ge=1)
     context_lookup: bool | None = None
     corpus_lookup: bool | None = None
-    cache_salt: str | None = Field(None, max_length=256)  # vLLM's: caches shared only within a salt
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_BYTES)  # vLLM's: caches shared within a salt
 
     @property
     def include_usage(self) -> bool:
