@@ -24,10 +24,9 @@ def test_request_fields_become_spec_decode_inputs():
     assert chat_request().params().max_tokens == -1  # unset: to the end of the context (vLLM's)
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("presence_penalty", 0.5),
-                                          ("tools", [{"type": "function"}]), ("best_of", 3),
-                                          ("response_format", {"type": "json_object"}),
-                                          ("min_p", 0.1), ("stop_token_ids", [2]),
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("prompt_logprobs", 2),
+                                          ("response_format", {"type": "json_object"}), ("echo", True),
+                                          ("allowed_token_ids", [1, 2]), ("suffix", "end"),
                                           ("reasoning_effort", "low"), ("prediction", {"type": "content"}),
                                           ("guided_json", {"type": "object"}), ("skip_special_tokens", False)])
 def test_unsupported_fields_are_refused_by_name(field, value):
@@ -41,6 +40,41 @@ def test_unsupported_fields_at_their_defaults_and_unknown_fields_pass():
                  response_format={"type": "text"}, min_p=0.0, stop_token_ids=[]).check_supported()
 
 
+def test_processor_fields_become_spec_decode_inputs():
+    params = chat_request(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+                          logit_bias={"5": 300, "7": -2.5}, bad_words=["no"], stop_token_ids=[2],
+                          logprobs=True, top_logprobs=4).params()
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p) == (
+        0.5, -1, 1.2, 0.1)
+    assert params.logit_bias_ids == [5, 7] and params.logit_bias_values == [100.0, -2.5]  # clamped as OpenAI
+    assert (params.bad_words, params.stop_token_ids, params.logprobs) == (["no"], [2], 4)
+    assert chat_request(logprobs=True).params().logprobs == 0 and chat_request().params().logprobs is None
+    completion = CompletionRequest(prompt="x", logprobs=2, echo=True).params()
+    assert (completion.logprobs, completion.prompt_logprobs) == (2, 2)
+    assert CompletionRequest(prompt="x", logprobs=False).params().logprobs is None  # vllm-router's value
+
+
+def test_a_seeded_requests_choices_take_consecutive_seeds():
+    request = chat_request(n=3, seed=7, temperature=1.0)
+    assert [request.choice_params(i).seed for i in range(3)] == [7, 8, 9]
+    assert chat_request(n=2, temperature=1.0).choice_params(1).seed is None
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(n=17), "n"), (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
+    (dict(logit_bias={str(i): 1 for i in range(2000)}), "logit_bias"),
+    (dict(stop_token_ids=list(range(100))), "stop_token_ids"), (dict(presence_penalty=2.5), "presence_penalty")])
+def test_out_of_range_fields_are_refused_by_pydantic(body, param):
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match=param):
+        chat_request(**body)
+
+
+def test_top_logprobs_without_logprobs_is_refused():
+    with pytest.raises(OpenAIError, match="top_logprobs needs logprobs"):
+        chat_request(top_logprobs=2).params()
+
+
 def test_what_vllm_router_adds_to_a_forwarded_request_passes():
     routed = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
               "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
@@ -48,10 +82,16 @@ def test_what_vllm_router_adds_to_a_forwarded_request_passes():
     chat_request(**routed).check_supported()
 
 
-def test_a_completion_takes_one_prompt():
-    assert CompletionRequest(prompt=["only"]).text() == "only"
-    with pytest.raises(OpenAIError):
-        CompletionRequest(prompt=["a", "b"]).text()
+def test_a_completion_takes_text_token_ids_or_lists_of_either():
+    assert CompletionRequest(prompt="only").prompts() == ["only"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    with pytest.raises(OpenAIError, match="at most 16"):
+        CompletionRequest(prompt=["a"] * 9, n=2).check_supported()
+    with pytest.raises(OpenAIError, match="best_of must equal n"):
+        CompletionRequest(prompt="a", best_of=3).check_supported()
+    CompletionRequest(prompt="a", best_of=2, n=2).check_supported()
 
 
 @pytest.mark.parametrize("message, status, param", [

@@ -71,8 +71,12 @@ def test_tensorrt_llm_names_are_read_as_ours(run):
     (dict(stop=words("a"), stop_words=words("b")), "inputs 'stop' and 'stop_words' mean the same"),
     (dict(exclude_input_in_output=scalar(False)),
      "exclude_input_in_output=false is not supported: the output never includes the prompt"),
-    (dict(frequency_penalty=scalar(np.float32(0.5))), "frequency_penalty is not supported (only 0"),
-    (dict(presence_penalty=scalar(np.float32(-1))), "presence_penalty is not supported (only 0"),
+    (dict(frequency_penalty=scalar(np.float32(3))), "frequency_penalty must be in [-2, 2], got 3.0"),
+    (dict(presence_penalty=scalar(np.float32(-5))), "presence_penalty must be in [-2, 2], got -5.0"),
+    (dict(logit_bias_ids=np.array([[1, 2]], np.int32)), "logit_bias_ids and logit_bias_values go together"),
+    (dict(stop_token_ids=np.arange(100, dtype=np.int32).reshape(1, -1)),
+     "input 'stop_token_ids' may hold at most 64 values, got 100"),
+    (dict(logprobs=scalar(np.int32(21))), "logprobs must be in [0, 20], got 21"),
 ])
 def test_a_tool_input_that_cannot_be_honoured_gets_a_clear_error(run, inputs, message):
     bad, good = run(text_request(PROMPT, max_tokens=4, **inputs), text_request(PROMPT, max_tokens=4))
@@ -84,8 +88,8 @@ def test_the_values_the_tools_send_are_accepted(run):
     agreeing = dict(seed=scalar(np.uint64(3)), random_seed=scalar(np.uint64(3)),
                     stop=words("zz"), stop_words=words("zz"), min_tokens=scalar(np.int32(2)),
                     min_length=scalar(np.int32(2)), exclude_input_in_output=scalar(True),
-                    return_num_input_tokens=scalar(True), frequency_penalty=scalar(np.float32(0)),
-                    presence_penalty=scalar(np.float32(0)))
+                    return_num_input_tokens=scalar(True), frequency_penalty=scalar(np.float32(0.5)),
+                    presence_penalty=scalar(np.float32(0.2)), return_log_probs=scalar(True))
     request, = run(text_request(PROMPT, max_tokens=4, **agreeing))
     assert len(ids(request)) == 4
 
@@ -105,3 +109,24 @@ def test_return_num_output_tokens_makes_num_output_tokens_count_each_response(ru
     assert sum(counts(per_response, "num_output_tokens")) == 16
     assert counts(totals, "num_output_tokens") == list(np.cumsum(sizes(totals)))
     assert counts(per_response, "num_input_tokens") == counts(totals, "num_input_tokens")
+
+
+def test_the_models_generation_config_gives_the_defaults_of_unset_inputs(pb, tmp_path):
+    """vLLM's `--generation-config auto`: a model whose authors chose sampling defaults gets
+    them where a request sets nothing; what a request sends wins."""
+    import json
+
+    from eagle_serve.service import read_params
+    from eagle_serve.settings import generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64,
+         "do_sample": True, "eos_token_id": 2}))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 64}
+    params, _ = read_params(fake_pb.Request(text_input=np.array([[PROMPT.encode()]], object)), defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty, params.max_tokens) == (
+        0.6, pytest.approx(0.9), 20, pytest.approx(1.1), 64)
+    params, _ = read_params(text_request(PROMPT, temperature=scalar(np.float32(0)), max_tokens=scalar(np.int32(5))),
+                            defaults=defaults)
+    assert (params.temperature, params.max_tokens, params.top_k) == (0.0, 5, 20)
+    assert generation_defaults(tmp_path / "missing") == {}

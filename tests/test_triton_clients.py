@@ -183,15 +183,15 @@ def test_the_request_tritons_openai_frontend_builds_is_served(raw_prompt_server,
     assert usage(sampled[0])[1] == len(output_ids(sampled[0]))
 
 
-def test_the_frontends_penalties_and_echo_get_clear_errors(raw_prompt_server):
+def test_the_frontends_penalties_are_honoured_and_echo_gets_a_clear_error(raw_prompt_server):
     prompt = "The sea is"
-    for name, value, dtype, message in (("frequency_penalty", np.float32(0.5), "FP32", "only 0"),
+    for name, value, dtype, message in (("frequency_penalty", np.float32(2.5), "FP32", r"must be in \[-2, 2\]"),
                                         ("exclude_input_in_output", False, "BOOL", "never includes")):
         inputs = frontend_request(prompt, False, 4) + [tensor(name, np.array([[value]]), dtype)]
         with pytest.raises(Refused, match=message):
             send(raw_prompt_server.grpc_url, "ensemble", inputs)
-    zero = frontend_request(prompt, False, 4) + [tensor("presence_penalty", np.array([[0.0]], np.float32), "FP32")]
-    assert len(output_ids(send(raw_prompt_server.grpc_url, "ensemble", zero))) == 4
+    penalised = frontend_request(prompt, False, 4) + [tensor("presence_penalty", np.array([[0.5]], np.float32), "FP32")]
+    assert len(output_ids(send(raw_prompt_server.grpc_url, "ensemble", penalised))) == 4
 
 
 # ---- metrics ----

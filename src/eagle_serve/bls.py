@@ -24,16 +24,18 @@ import torch
 
 from eagle_serve import internal_key
 from eagle_serve.interfaces import (DraftOutput, DraftShapes, KVLost, ModelUnavailable, RaggedBatch,
-                                    RowSampling, TargetOutput, TokenBan)
+                                    RowSampling, TargetOutput)
+from eagle_serve.processors import LogitsProcessors
 
 BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "block_tables", "slot_mapping")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
 SHAPE_INPUTS = {"num_drafts": "num_drafts", "draft_topk": "topk", "draft_depth": "depth",
                 "draft_min_prob": "min_prob", "draft_expand_prob": "expand_prob"}  # input -> field
-# Optional inputs, sent only when present (a batch with a draft tree; KV moves; banned tokens):
-# tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64; ban_rows [M] /
-# ban_token_ids [E] INT64; draft_coupled [B] INT8 (DraftShapes.coupled).
-BAN_INPUTS = ("ban_rows", "ban_token_ids")
+# Optional inputs, sent only when present (a batch with a draft tree; KV moves; logits
+# processors): tree_mask [B, Qt, Qt] INT8; kv_move_src / kv_move_dst [M] INT64; the fields of
+# LogitsProcessors, each prefixed "proc_" (all sent together); draft_coupled [B] INT8
+# (DraftShapes.coupled). The target's optional output: logprobs [L, V] FP32.
+PROCESSOR_INPUTS = tuple("proc_" + name for name in LogitsProcessors.names())
 
 
 def to_pb(pb, name: str, tensor: torch.Tensor):
@@ -81,9 +83,14 @@ def shapes_from_request(pb, request, device) -> DraftShapes:
                        coupled=None if coupled is None else coupled.to(device).bool())
 
 
-def ban_from_request(pb, request, device) -> TokenBan | None:
-    pair = optional_pair(pb, request, BAN_INPUTS, device)
-    return None if pair is None else TokenBan(*pair)
+def processors_from_request(pb, request, device) -> LogitsProcessors | None:
+    """None when no proc_ input came; an absent one is empty (only non-empty ones are sent)."""
+    tensors = {name: input_tensor(pb, request, name, optional=True) for name in PROCESSOR_INPUTS}
+    if all(t is None for t in tensors.values()):
+        return None
+    return LogitsProcessors.staged({
+        name: (torch.zeros(0, dtype=LogitsProcessors.dtype(name[5:]), device=device) if t is None
+               else t.to(device)) for name, t in tensors.items()})
 
 
 def optional_pair(pb, request, names: tuple[str, str], device) -> tuple | None:
@@ -144,18 +151,22 @@ class BlsTarget(_BlsModel):
 
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
                 kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ban: TokenBan | None = None) -> TargetOutput:
+                processors: LogitsProcessors | None = None) -> TargetOutput:
         outputs = ["hidden", "argmax"] + (["probs"] if sampling.sampled_indices().numel() else [])
+        if processors is not None and processors.logprob_rows.numel():
+            outputs.append("logprobs")
         inputs = batch_tensors(self.pb, batch, sampling) + [to_pb(self.pb, "logit_rows", logit_rows)]
         if kv_moves is not None and kv_moves[0].numel() > 0:
             inputs += [to_pb(self.pb, "kv_move_src", kv_moves[0]),
                        to_pb(self.pb, "kv_move_dst", kv_moves[1])]
-        if ban is not None:
-            inputs += [to_pb(self.pb, name, t) for name, t in zip(BAN_INPUTS, (ban.rows, ban.token_ids))]
+        if processors is not None:
+            inputs += [to_pb(self.pb, "proc_" + name, t) for name, t in processors.tensors().items()
+                       if t.numel()]
         r = self.call(inputs, outputs)
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)  # no rows needed logits
         probs = r.get("probs", torch.zeros((0, self.vocab_size), device=self.device))
-        return TargetOutput(hidden=r["hidden"], argmax=r.get("argmax", empty), probs=probs)
+        return TargetOutput(hidden=r["hidden"], argmax=r.get("argmax", empty), probs=probs,
+                            logprobs=r.get("logprobs"))
 
 
 class BlsDrafter(_BlsModel):

@@ -24,6 +24,13 @@ PARAMS = {
     "context_lookup": ("BOOL", np.bool_), "corpus_lookup": ("BOOL", np.bool_),
     "stream": ("BOOL", np.bool_), "apply_chat_template": ("BOOL", np.bool_),
     "min_tokens": ("INT32", np.int32), "cache_salt": ("BYTES", np.object_),
+    "presence_penalty": ("FP32", np.float32), "frequency_penalty": ("FP32", np.float32),
+    "repetition_penalty": ("FP32", np.float32), "min_p": ("FP32", np.float32),
+    "logprobs": ("INT32", np.int32), "prompt_logprobs": ("INT32", np.int32),
+    # lists [1, n]
+    "logit_bias_ids": ("INT32", np.int32), "logit_bias_values": ("FP32", np.float32),
+    "stop_token_ids": ("INT32", np.int32), "bad_words": ("BYTES", np.object_),
+    "guided_decoding_guide_type": ("BYTES", np.object_), "guided_decoding_guide": ("BYTES", np.object_),
 }
 COUNTERS = ("num_input_tokens", "num_output_tokens", "num_draft_tokens", "num_accepted_tokens",
             "num_rounds", "num_cached_tokens")
@@ -61,7 +68,8 @@ class Generation:
         self.counters, self.finish_reason = counters, finish_reason
 
 
-def grpc_inputs(text: str, stop: list[str] | None = None, **params) -> list:
+def grpc_inputs(text: str | list[int], stop: list[str] | None = None, **params) -> list:
+    """text: a prompt, or its token ids (sent as input_ids)."""
     import tritonclient.grpc as grpcclient
 
     def tensor(name, array, dtype):
@@ -69,15 +77,20 @@ def grpc_inputs(text: str, stop: list[str] | None = None, **params) -> list:
         t.set_data_from_numpy(array)
         return t
 
-    inputs = [tensor("text_input", np.array([[text.encode()]], dtype=np.object_), "BYTES")]
+    if isinstance(text, str):
+        inputs = [tensor("text_input", np.array([[text.encode()]], dtype=np.object_), "BYTES")]
+    else:
+        inputs = [tensor("input_ids", np.array([text], dtype=np.int32), "INT32")]
     for name, value in params.items():
         if value is None:
             continue
         if name not in PARAMS:
             raise ValueError(f"unknown parameter {name}")
         dtype, np_dtype = PARAMS[name]
-        value = value.encode() if isinstance(value, str) else value
-        inputs.append(tensor(name, np.array([[value]], dtype=np_dtype), dtype))
+        encode = lambda v: v.encode() if isinstance(v, str) else v  # noqa: E731
+        values = [encode(v) for v in value] if isinstance(value, (list, tuple)) else [encode(value)]
+        if values:
+            inputs.append(tensor(name, np.array([values], dtype=np_dtype), dtype))
     if stop:
         inputs.append(tensor("stop", np.array([[s.encode() for s in stop]], dtype=np.object_), "BYTES"))
     return inputs

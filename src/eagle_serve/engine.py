@@ -38,6 +38,7 @@ from eagle_serve import verify
 from eagle_serve.draft_round import propose_drafts
 from eagle_serve.drafting import DraftPolicy
 from eagle_serve.lookup import CorpusIndex
+from eagle_serve.processors import bad_word_ids
 from eagle_serve.interfaces import DrafterRunner, KVLost, ModelUnavailable, TargetRunner
 from eagle_serve.requests import TO_THE_END, Completion, Request, RequestOutput, SamplingParams
 from eagle_serve.scheduler import Scheduler
@@ -99,9 +100,13 @@ class Engine:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.target.vocab_size
-        bad = [i for i in prompt_ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:8]}")
+        for name, ids in (("token ids", prompt_ids), ("logit_bias token ids", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise ValueError(f"{name} must be in [0, {vocab}); got {bad[:8]}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need the engine's tokenizer")
         total = len(prompt_ids) + params.max_tokens
         if total > cfg.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -111,6 +116,8 @@ class Engine:
         stop = StopChecker(self.tokenizer, params.stop, params.min_tokens) if params.stop else None
         req = Request(request_id if request_id is not None else f"req-{next(self._ids)}",
                       len(prompt_ids), params, k, seed % (1 << 63), stop, list(prompt_ids))
+        if params.bad_words:
+            req.bad_word_ids = bad_word_ids(self.tokenizer, params.bad_words)
         self.policy.setup_request(req)
         if to_the_end:
             room = min(cfg.max_model_len, self.scheduler.longest(req)) - len(prompt_ids)
@@ -164,11 +171,12 @@ class Engine:
             vb = verify.build_verify_batch(reqs, self.target_pool, self.device,
                                            self.config.eos_token_ids)
             extra = {"kv_moves": vb.kv_moves} if vb.kv_moves else {}
-            extra |= {"ban": vb.ban} if vb.ban else {}
+            extra |= {"processors": vb.processors} if vb.processors else {}
             start = time.perf_counter()
             result = self.target.forward(vb.batch, vb.logit_rows, vb.sampling, **extra)
             self.stats.steps += 1
             verdicts = verify.accept(result, vb, self.workspace, self.target.vocab_size, self.device)
+            verify.attach_logprobs(result, vb, verdicts)
             if all(r.num_real == 1 for r in vb.rows):  # decode/verify rows only: the draft costs
                 self.policy.costs.record_target(vb.batch.input_ids.shape[0], time.perf_counter() - start)
             prefix = self.scheduler.prefix
@@ -273,6 +281,8 @@ class Engine:
                     raise (out.cause or RuntimeError(out.error))
                 c = done[out.request_id]
                 c.token_ids += out.new_token_ids
+                c.logprobs += out.logprobs or []
+                c.prompt_logprobs += out.prompt_logprobs or []
                 c.finish_reason, c.last = out.finish_reason, out
         return [done[i] for i in ids]
 

@@ -13,6 +13,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from eagle_serve.processors import LogitsProcessors
+
 
 class KVLost(RuntimeError):
     """A model process lost its KV cache (it restarted); every running request recomputes."""
@@ -86,16 +88,6 @@ class RowSampling:
 
 
 @dataclass
-class TokenBan:
-    """Tokens the target must not produce at some scored rows: their logits are -inf there
-    before the argmax and the probabilities (the EOS ids on rows whose output position is
-    below the request's min_tokens). Acceptance is unchanged: a banned draft never matches the
-    argmax and has target probability 0."""
-    rows: torch.Tensor       # [M] int64: indices into logit_rows
-    token_ids: torch.Tensor  # [E] int64
-
-
-@dataclass
 class DraftShapes:
     """What each request of a drafter call drafts (the draft policy's decision), per row [B]."""
     num_drafts: torch.Tensor   # int64: nodes to propose (a chain: its length)
@@ -127,6 +119,7 @@ class TargetOutput:
     hidden: torch.Tensor  # [T, F]: the features the drafter reads (F = H, or 3H for EAGLE-3)
     argmax: torch.Tensor  # [R] int64: target argmax at each requested row
     probs: torch.Tensor   # [R_sampled, V]: processed probabilities of the sampled rows, in order
+    logprobs: torch.Tensor | None = None  # [L, V] log-softmax of the processors' logprob rows
 
 
 @dataclass
@@ -165,10 +158,10 @@ class TargetRunner(Protocol):
 
     def forward(self, batch: RaggedBatch, logit_rows: torch.Tensor, sampling: RowSampling,
                 kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ban: TokenBan | None = None) -> TargetOutput:
+                processors: LogitsProcessors | None = None) -> TargetOutput:
         """kv_moves: (src_slots [M], dst_slots [M]) int64: copy every layer's K/V from src to
-        dst before the forward writes anything (the accepted path of a draft tree); ban: tokens
-        masked on some scored rows."""
+        dst before the forward writes anything (the accepted path of a draft tree); processors:
+        what the requests' parameters do to the scored rows' logits (eagle_serve.processors)."""
         ...
 
 

@@ -19,6 +19,7 @@ from eagle_serve.lookup import SOURCES
 
 FLUSH_INTERVAL_S = 0.25  # counters lag the engine by at most this (Prometheus scrapes every few s)
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+LENGTH_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 REQUEST_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0]
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}  # ours: vLLM's
@@ -111,9 +112,11 @@ class EngineMetrics:
         pages_total = family("eagle_kv_pages_total", "KV cache pages", fam.GAUGE)
         self.pages_free = {p: _Each(pages_free.Metric(labels={"pool": p})) for p in ("target", "drafter")}
         self.pages_total = {p: _Each(pages_total.Metric(labels={"pool": p})) for p in ("target", "drafter")}
-        self.kv_usage = both("eagle_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc",
-                             "Share of the target's KV pages mapped by requests (0-1; cached pages "
-                             "no request maps count as free)", fam.GAUGE)
+        usage = ("Share of the target's KV pages mapped by requests (0-1; cached pages no request "
+                 "maps count as free)")
+        self.kv_usage = both("eagle_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", usage, fam.GAUGE)
+        # vLLM's name before v1, which its Grafana dashboard's "Cache Utilization" still reads
+        self.kv_usage.metrics.append(metric("vllm:gpu_cache_usage_perc", usage, fam.GAUGE, vllm))
         self.slots_free = _Each(metric("eagle_draft_slots_free", "Free draft-token workspace slots", fam.GAUGE))
         finished = family("eagle_requests_finished_total", "Requests finished, by finish reason",
                           fam.COUNTER)
@@ -127,8 +130,25 @@ class EngineMetrics:
                                       "Output tokens sent", fam.COUNTER)
         self.ttft = both("eagle_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
                          "Time to first token", fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
-        self.tpot = metric("eagle_time_per_output_token_seconds", "Time per output token after the "
-                           "first, per request", fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        tpot = "Time per output token after the first, per request"
+        self.tpot = both("eagle_time_per_output_token_seconds", "vllm:time_per_output_token_seconds", tpot,
+                         fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.tpot.metrics.append(metric("vllm:inter_token_latency_seconds", tpot, fam.HISTOGRAM, vllm,
+                                        buckets=LATENCY_BUCKETS))  # vLLM v1's newer name
+        self.request_prompt = both("eagle_request_prompt_tokens", "vllm:request_prompt_tokens",
+                                   "Prompt tokens of each finished request", fam.HISTOGRAM,
+                                   buckets=LENGTH_BUCKETS)
+        generation = "Output tokens of each finished request"
+        self.request_generation = both("eagle_request_generation_tokens", "vllm:request_generation_tokens",
+                                       generation, fam.HISTOGRAM, buckets=LENGTH_BUCKETS)
+        self.request_generation.metrics.append(metric(  # vLLM: the longest of a request's n sequences
+            "vllm:request_max_num_generation_tokens", generation, fam.HISTOGRAM, vllm, buckets=LENGTH_BUCKETS))
+        self.phases = {phase: both(f"eagle_request_{phase}_time_seconds", f"vllm:request_{phase}_time_seconds",
+                                   description, fam.HISTOGRAM, buckets=REQUEST_BUCKETS)
+                       for phase, description in (
+                           ("prefill", "First admission to first token"),
+                           ("decode", "First token to last response"),
+                           ("inference", "First admission to last response"))}
         self.e2e = both("eagle_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
                         "Arrival to last response of a request that did not fail", fam.HISTOGRAM,
                         buckets=REQUEST_BUCKETS)
@@ -202,3 +222,14 @@ class EngineMetrics:
         self.finished[reason].increment(1)
         if e2e_seconds is not None:
             self.e2e.observe(e2e_seconds)
+
+    def observe_request(self, prompt_tokens: int, output_tokens: int, queued_s: float,
+                        first_token_s: float | None, e2e_s: float) -> None:
+        """A request that finished without error: its lengths, and its phases (seconds from
+        arrival: to first admission, to first token (None: it had none), to the end)."""
+        self.request_prompt.observe(prompt_tokens)
+        self.request_generation.observe(output_tokens)
+        if first_token_s is not None:
+            self.phases["prefill"].observe(max(0.0, first_token_s - queued_s))
+            self.phases["decode"].observe(max(0.0, e2e_s - first_token_s))
+        self.phases["inference"].observe(max(0.0, e2e_s - queued_s))

@@ -64,7 +64,8 @@ class PrefixCache:
 
     def admit(self, req: Request) -> None:
         """Map the cached pages of a request that holds none and set what it has computed."""
-        if not self.enabled or req.num_computed or req.target_pages or req.drafter_pages:
+        if (not self.enabled or req.num_computed or req.target_pages or req.drafter_pages
+                or req.params.prompt_logprobs is not None):  # its prompt's logits are wanted
             return
         keep = 2 if req.output else 1  # positions that must be computed (module docstring)
         keys = self.keys(req, max(0, (len(req.tokens) - keep) // self.page_size))

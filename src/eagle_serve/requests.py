@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from eagle_serve.lookup import HEAD, ContextIndex
 from eagle_serve.lookup_scores import LookupKey, LookupScores
 from eagle_serve.settings import EngineConfig
@@ -49,6 +51,20 @@ class AcceptanceRecord:
 
 
 MAX_CACHE_SALT_BYTES = 256
+MAX_TOP_LOGPROBS = 20        # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS = 1024        # entries of one request's logit_bias
+MAX_BAD_WORDS = 64           # bad words of one request, each at most MAX_BAD_WORD_TOKENS long
+MAX_BAD_WORD_TOKENS = 32
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass
+class TokenLogprob:
+    """One token's logprob and the most likely alternatives at its position (eagle_serve.processors)."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None  # (token id, logprob), most likely first (None: no
+    #                                      logprob, the first prompt token of an echo)
 TO_THE_END = -1  # max_tokens: as many as the context holds (vLLM's unset max_tokens, llama.cpp's -1)
 
 
@@ -69,6 +85,20 @@ class SamplingParams:
     min_tokens: int = 0               # no EOS and no stop string ends the output before this
     #                                   many tokens (EOS is masked in the target's logits)
     cache_salt: str = ""              # requests share cached KV pages only with the same salt
+    # logits processors (eagle_serve.processors), vLLM's meanings:
+    presence_penalty: float = 0.0     # subtracted once from each token in the output
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # divides positive / multiplies negative logits of tokens
+    #                                   in the prompt or output
+    min_p: float = 0.0                # sampled: drop tokens below min_p x the top probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    bad_words: tuple[str, ...] = ()   # never generated (each word's last token is banned where
+    #                                   the output ends in its other tokens)
+    stop_token_ids: tuple[int, ...] = ()  # end the output ("stop"), left out of it
+    logprobs: int | None = None       # None: none; n: each output token's logprob and the n most
+    #                                   likely alternatives (0-20)
+    prompt_logprobs: int | None = None  # the same for each prompt token but the first (raw
+    #                                   logits; the prompt is computed, not read from the cache)
 
     def validate(self, cfg: EngineConfig, max_k: int) -> None:
         """max_k: the largest k this engine drafts (0 without a drafter)."""
@@ -94,6 +124,26 @@ class SamplingParams:
              f"draft_depth must be in [1, {cfg.max_draft_depth}], got {self.draft_depth}"),
             (len(self.cache_salt.encode("utf-8")) <= MAX_CACHE_SALT_BYTES,
              f"cache_salt may be at most {MAX_CACHE_SALT_BYTES} bytes"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0 < self.repetition_penalty <= 10,
+             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"),
+            (all(math.isfinite(b) for _, b in self.logit_bias), "logit_bias values must be finite"),
+            (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token twice"),
+            (len(self.bad_words) <= MAX_BAD_WORDS,
+             f"at most {MAX_BAD_WORDS} bad_words are allowed, got {len(self.bad_words)}"),
+            (all(w.strip() and len(w) <= 256 for w in self.bad_words),
+             "bad_words must be non-empty and at most 256 characters each"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -113,6 +163,11 @@ class RequestOutput:
     num_accepted_tokens: int
     num_rounds: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
+    queued_s: float = field(default=0.0, compare=False)  # arrival to first admission (a time:
+    #                             outputs of equal runs compare equal)
+    prompt_logprobs: list[TokenLogprob] | None = None  # of the prompt's tokens but the first:
+    #                             in the first output with tokens, when the request asked
     error: str = ""             # the request failed: a message for its client (finished, no reason)
     error_code: str = ""        # then: "INTERNAL" (a model call failed) or "UNAVAILABLE" (limits)
     cause: BaseException | None = field(default=None, repr=False)  # what failed (logged, not sent)
@@ -133,6 +188,7 @@ class Request:
     arrival: int = 0                # admission order
     arrived_at: float = field(default_factory=time.monotonic)
     admitted: bool = False          # has been in the running batch
+    queued_s: float = 0.0           # arrival to first admission
     suspect: bool = False           # was in a batch whose model call failed: runs alone until a
     #                                 round of its own succeeds
     num_computed: int = 0           # positions in the target's KV
@@ -169,6 +225,16 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_rounds: int = 0
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of each output token (asked)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (asked)
+    _prompt_set: np.ndarray | None = field(default=None, repr=False)
+
+    def prompt_set(self) -> np.ndarray:
+        """The distinct prompt token ids (the repetition penalty's), found once."""
+        if self._prompt_set is None:
+            self._prompt_set = np.unique(np.asarray(self.tokens[:self.prompt_len], dtype=np.int64))
+        return self._prompt_set
 
     @property
     def output(self) -> list[int]:
@@ -228,20 +294,28 @@ class Request:
     def fail(self, message: str, code: str, cause: BaseException | None = None) -> None:
         self.error, self.error_code, self.cause = message, code, cause
 
-    def append(self, tokens: list[int], eos_token_ids: tuple[int, ...]) -> None:
-        """Add accepted tokens up to EOS, max_tokens or a stop string (cut out)."""
+    def append(self, tokens: list[int], eos_token_ids: tuple[int, ...],
+               logprobs: list[TokenLogprob] | None = None) -> None:
+        """Add accepted tokens (and their logprobs) up to EOS, max_tokens, a stop token id or a
+        stop string (both cut out)."""
         p = self.params
         for tok in tokens:
             self.tokens.append(tok)
-            if tok in eos_token_ids and not p.ignore_eos:
+            if tok in p.stop_token_ids and len(self.output) > p.min_tokens:
+                del self.tokens[-1]
+                self.finish_reason = "stop"
+            elif tok in eos_token_ids and not p.ignore_eos:
                 self.finish_reason = "stop"
             elif len(self.output) >= p.max_tokens:
                 self.finish_reason = "length"
             if self.finish_reason:
                 break
+        if logprobs:
+            self.logprobs += logprobs
         if self.stop is not None and self.stop.check(self.output):
             del self.tokens[self.prompt_len + self.stop.keep:]
             self.finish_reason = "stop"
+        del self.logprobs[len(self.output):]
 
     def take_output(self, force: bool = False) -> RequestOutput | None:
         """The tokens not handed out yet (held back while they could start a stop string), with
@@ -256,10 +330,13 @@ class Request:
         new = self.output[self.num_sent:upto]
         if not new and not self.finish_reason and not force:
             return None
+        logprobs = self.logprobs[self.num_sent:upto] if self.params.logprobs is not None else None
+        prompt = self.prompt_logprobs if self.params.prompt_logprobs is not None and not self.num_sent else None
         self.num_sent += len(new)
         return RequestOutput(self.id, new, bool(self.finish_reason), self.finish_reason,
                              self.prompt_len, len(self.output), self.num_draft_tokens,
-                             self.num_accepted_tokens, self.num_rounds, self.num_cached_tokens)
+                             self.num_accepted_tokens, self.num_rounds, self.num_cached_tokens,
+                             logprobs, self.queued_s, prompt)
 
 
 @dataclass
@@ -268,6 +345,8 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     last: RequestOutput | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of each token (asked)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (asked)
 
     @property
     def acceptance_length(self) -> float:

@@ -24,6 +24,10 @@ from eagle_serve.requests import Request
 from eagle_serve.settings import EngineConfig
 from eagle_serve.workspace import DraftWorkspace
 
+# Prompt tokens a round computes of a request that wants their logprobs: each costs a [V] row
+# of log-softmax through the target's output (~200 KB at V = 49k), so a round moves ~13 MB.
+PROMPT_LOGPROBS_CHUNK = 64
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, workspace: DraftWorkspace, stats):
@@ -53,7 +57,8 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             self.prefix.count(req)
             if not req.admitted:
-                self.stats.queue_times.append(time.monotonic() - req.arrived_at)
+                req.queued_s = time.monotonic() - req.arrived_at
+                self.stats.queue_times.append(req.queued_s)
             req.admitted = True
         self.running.sort(key=lambda r: r.arrival)
 
@@ -62,8 +67,8 @@ class Scheduler:
         suspect alone. Sets each one's `chunk`."""
         suspects = [r for r in self.running if r.suspect]
         reqs = suspects[:1] if suspects else list(self.running)
-        for req in reqs:
-            req.chunk = None
+        for req in reqs:  # prompt logprobs: [chunk, V] logprobs a round, so a chunk is bounded
+            req.chunk = PROMPT_LOGPROBS_CHUNK if req.params.prompt_logprobs is not None else None
         budget = self.config.max_num_batched_tokens
         if not budget:
             return reqs
@@ -73,7 +78,7 @@ class Scheduler:
         for req in (r for r in reqs if r.uncomputed > 1):
             if left <= 0 and chosen:
                 break
-            req.chunk = max(1, min(left, req.uncomputed))  # alone: progress even past budget
+            req.chunk = max(1, min(left, req.uncomputed, req.chunk or left))  # alone: progress even past budget
             left -= req.chunk
             chosen.append(req)
         return sorted(chosen, key=lambda r: r.arrival)

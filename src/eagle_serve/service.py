@@ -28,7 +28,8 @@ import numpy as np
 
 from eagle_serve import triton_utils as tu
 from eagle_serve.engine import Engine, EngineBusy
-from eagle_serve.requests import MAX_CACHE_SALT_BYTES, RequestOutput, SamplingParams
+from eagle_serve.requests import (MAX_BAD_WORDS, MAX_CACHE_SALT_BYTES, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS,
+                                  RequestOutput, SamplingParams, TokenLogprob)
 from eagle_serve.interfaces import ModelUnavailable
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.tokenization import decode, decode_delta, detok_window
@@ -80,6 +81,8 @@ class _Open:
     arrival: float
     count_per_response: bool        # num_output_tokens counts each response's tokens
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_ids (asked)
+    prompt_logprobs: list[TokenLogprob] | None = None  # until sent (asked)
     num_sent: int = 0
     first_token_at: float | None = None
 
@@ -101,11 +104,12 @@ ALIASES = {"seed": "random_seed", "min_tokens": "min_length", "stop": "stop_word
 
 
 def read_request(request, tokenizer, max_input_bytes: int = 65536,
-                 apply_chat_template: bool = True) -> ClientRequest:
+                 apply_chat_template: bool = True, defaults: dict | None = None) -> ClientRequest:
     """A Triton request's inputs -> ClientRequest (RequestError if bad). apply_chat_template:
-    the default of the input of that name."""
+    the default of the input of that name; defaults: the model's sampling defaults
+    (settings.generation_defaults) for inputs the request does not send."""
     prompt, direct = read_prompt(request, tokenizer, max_input_bytes, apply_chat_template)
-    params, stream = read_params(request)
+    params, stream = read_params(request, defaults=defaults or {})
     return ClientRequest(prompt, direct, params, stream,
                          bool(tu.scalar(request, "return_num_output_tokens", False)))
 
@@ -125,18 +129,19 @@ def read_prompt(request, tokenizer, max_input_bytes: int,
     return [int(x) for x in ids], False
 
 
-def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bool]:
+def read_params(request, max_stop_bytes: int = 4096, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
     """One request's sampling parameters and stream flag (RequestError if bad)."""
+    d = defaults or {}
     check_tool_inputs(request)
     k = tu.scalar(request, "num_speculative_tokens")
     topk, depth = tu.scalar(request, "draft_topk"), tu.scalar(request, "draft_depth")
     seed = aliased(request, "seed", tu.scalar)
     stop = aliased(request, "stop", lambda r, name: tu.texts(r, name, max_bytes=max_stop_bytes) or None)
     params = SamplingParams(
-        max_tokens=int(tu.scalar(request, "max_tokens", 128)),
-        temperature=float(tu.scalar(request, "temperature", 0.0)),
-        top_p=float(tu.scalar(request, "top_p", 1.0)),
-        top_k=int(tu.scalar(request, "top_k", 0)),
+        max_tokens=int(tu.scalar(request, "max_tokens", d.get("max_tokens", 128))),
+        temperature=float(tu.scalar(request, "temperature", d.get("temperature", 0.0))),
+        top_p=float(tu.scalar(request, "top_p", d.get("top_p", 1.0))),
+        top_k=int(tu.scalar(request, "top_k", d.get("top_k", 0))),
         seed=None if seed is None else int(seed),
         num_speculative_tokens=None if k is None else int(k),
         draft_topk=None if topk is None else int(topk),
@@ -146,8 +151,39 @@ def read_params(request, max_stop_bytes: int = 4096) -> tuple[SamplingParams, bo
         context_lookup=bool(tu.scalar(request, "context_lookup", True)),
         corpus_lookup=bool(tu.scalar(request, "corpus_lookup", True)),
         min_tokens=int(aliased(request, "min_tokens", tu.scalar) or 0),
-        cache_salt=tu.text(request, "cache_salt", "", max_bytes=MAX_CACHE_SALT_BYTES))
+        cache_salt=tu.text(request, "cache_salt", "", max_bytes=MAX_CACHE_SALT_BYTES),
+        **processor_params(request, d))
     return params, bool(tu.scalar(request, "stream", False))
+
+
+def processor_params(request, defaults: dict) -> dict:
+    """The logits processors' and logprobs' inputs -> SamplingParams fields (bounded before they
+    are read into Python lists: eagle_serve.processors' limits)."""
+    bias_ids, bias_values = (bounded_row(request, n, MAX_LOGIT_BIAS) for n in ("logit_bias_ids", "logit_bias_values"))
+    if (bias_ids is None) != (bias_values is None) or (bias_ids is not None and bias_ids.size != bias_values.size):
+        raise tu.RequestError("logit_bias_ids and logit_bias_values go together, one value per id")
+    logprobs, prompt_logprobs = tu.scalar(request, "logprobs"), tu.scalar(request, "prompt_logprobs")
+    if logprobs is None and tu.scalar(request, "return_log_probs", False):  # TensorRT-LLM's flag
+        logprobs = 0
+    stop_ids = bounded_row(request, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+    bad_words = bounded_row(request, "bad_words", MAX_BAD_WORDS)
+    return dict(
+        presence_penalty=float(tu.scalar(request, "presence_penalty", 0.0)),
+        frequency_penalty=float(tu.scalar(request, "frequency_penalty", 0.0)),
+        repetition_penalty=float(tu.scalar(request, "repetition_penalty", defaults.get("repetition_penalty", 1.0))),
+        min_p=float(tu.scalar(request, "min_p", defaults.get("min_p", 0.0))),
+        logit_bias=() if bias_ids is None else tuple(zip(bias_ids.tolist(), bias_values.tolist())),
+        stop_token_ids=() if stop_ids is None else tuple(stop_ids.tolist()),
+        bad_words=() if bad_words is None else tuple(tu.utf8(bytes(w), "bad_words", 256) for w in bad_words),
+        logprobs=None if logprobs is None else int(logprobs),
+        prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs))
+
+
+def bounded_row(request, name: str, limit: int) -> np.ndarray | None:
+    values = tu.row(request, name)
+    if values is not None and values.size > limit:
+        raise tu.RequestError(f"input '{name}' may hold at most {limit} values, got {values.size}")
+    return values
 
 
 def aliased(request, name: str, read):
@@ -166,22 +202,19 @@ def check_tool_inputs(request) -> None:
     if not tu.scalar(request, "exclude_input_in_output", True):
         raise tu.RequestError("exclude_input_in_output=false is not supported: the output never "
                               "includes the prompt")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if tu.scalar(request, name, 0.0) != 0.0:
-            raise tu.RequestError(f"{name} is not supported (only 0 is accepted), got "
-                                  f"{tu.scalar(request, name)}")
 
 
 class SpecDecodeService:
     def __init__(self, pb, engine: Engine, metrics: EngineMetrics | None = None,
                  max_input_bytes: int = 65536, draft_timeout_s: float = 0.0,
-                 on_broken: Callable[[str], None] | None = None, apply_chat_template: bool = True):
+                 on_broken: Callable[[str], None] | None = None, apply_chat_template: bool = True,
+                 defaults: dict | None = None):
         """on_broken(reason): called once when a model process is stuck or dead; spec_decode's
         model.py stops the server there, so its supervisor restarts it. apply_chat_template:
         what a text_input request without that input gets."""
         self.pb, self.engine, self.metrics = pb, engine, metrics
         self.max_input_bytes, self.draft_timeout_s = max_input_bytes, draft_timeout_s
-        self.apply_chat_template = apply_chat_template
+        self.apply_chat_template, self.defaults = apply_chat_template, defaults or {}
         self.on_broken = on_broken
         self.open: dict[str, _Open] = {}
         self.broken = ""                # why the engine cannot go on ("" = it can)
@@ -208,7 +241,7 @@ class SpecDecodeService:
             if self.broken or self._stopping:
                 raise EngineBusy(f"the server is restarting: {self.broken or 'shutting down'}")
             client = read_request(request, self.engine.tokenizer, self.max_input_bytes,
-                                  self.apply_chat_template)
+                                  self.apply_chat_template, self.defaults)
             with self._wake:
                 self._ids += 1
                 rid = f"{request.request_id() or 'req'}#{self._ids}"
@@ -312,7 +345,10 @@ class SpecDecodeService:
             if out.error:
                 self.metrics.observe_finished("error")
             else:
-                self.metrics.observe_finished(out.finish_reason, time.perf_counter() - entry.arrival)
+                e2e = time.perf_counter() - entry.arrival
+                first = None if entry.first_token_at is None else entry.first_token_at - entry.arrival
+                self.metrics.observe_request(out.num_input_tokens, out.num_output_tokens, out.queued_s, first, e2e)
+                self.metrics.observe_finished(out.finish_reason, e2e)
         try:
             if out.error:
                 entry.out.fail(out.error, out.error_code or "INTERNAL")
@@ -328,7 +364,11 @@ class SpecDecodeService:
             entry.first_token_at = now
             if self.metrics:
                 self.metrics.observe_first_token(now - entry.arrival, out.num_input_tokens)
+        first_new = entry.num_sent if entry.stream else 0
         entry.output_ids += out.new_token_ids
+        entry.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            entry.prompt_logprobs = out.prompt_logprobs
         if out.finished and self.metrics and len(entry.output_ids) > 1 and entry.first_token_at is not None:
             self.metrics.observe_tpot((now - entry.first_token_at) / (len(entry.output_ids) - 1))
         if not entry.stream and not out.finished:
@@ -342,6 +382,9 @@ class SpecDecodeService:
             text = decode_delta(tok, prev, new, out.finished) if entry.stream else decode(tok, new)
         num_output = len(new) if entry.count_per_response else out.num_output_tokens
         tensors = self._tensors(out, new, prev, num_output) + [tu.text_tensor("text_output", text)]
+        tensors += logprob_tensors(entry.logprobs[first_new:first_new + len(new)])
+        tensors += logprob_tensors(entry.prompt_logprobs or [], "prompt_")
+        entry.prompt_logprobs = None
         entry.out.send(self.pb.InferenceResponse(output_tensors=tensors), final=out.finished)
 
     def _tensors(self, out: RequestOutput, new: list[int], prev: list[int], num_output: int) -> list:
@@ -354,3 +397,20 @@ class SpecDecodeService:
                 tu.int_tensor("num_rounds", out.num_rounds),
                 tu.int_tensor("num_cached_tokens", out.num_cached_tokens),
                 tu.text_tensor("finish_reason", out.finish_reason)]
+
+
+def logprob_tensors(logprobs: list[TokenLogprob], prefix: str = "") -> list:
+    """output_log_probs [1, n], top_logprob_ids / top_logprobs [1, n, N] (prefix "prompt_": the
+    prompt's, with prompt_log_probs): empty when the request did not ask (the ensemble maps
+    every output of every response)."""
+    width = max((len(x.top) for x in logprobs), default=0)
+    ids = np.zeros((1, len(logprobs), width), dtype=np.int32)
+    values = np.full((1, len(logprobs), width), -np.inf, dtype=np.float32)
+    for i, x in enumerate(logprobs):
+        for j, (tok, lp) in enumerate(x.top):
+            ids[0, i, j], values[0, i, j] = tok, lp
+    chosen = np.asarray([[x.logprob for x in logprobs]], dtype=np.float32).reshape(1, -1)
+    pb_utils = tu.pb()
+    chosen_name = "prompt_log_probs" if prefix else "output_log_probs"
+    return [pb_utils.Tensor(chosen_name, chosen), pb_utils.Tensor(prefix + "top_logprob_ids", ids),
+            pb_utils.Tensor(prefix + "top_logprobs", values)]

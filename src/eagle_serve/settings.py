@@ -310,6 +310,20 @@ def model_context(target_dir: Path) -> int:
     return _context(_text_config(target_dir))
 
 
+# generation_config.json key -> the request field it gives a default (vLLM's
+# `--generation-config auto`: what the model's authors chose, where a request sets nothing)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                       "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(target_dir: Path) -> dict[str, float | int]:
+    """The sampling defaults the target's generation_config.json sets ({} without one)."""
+    path = Path(target_dir) / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    return {ours: cfg[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if cfg.get(theirs) is not None}
+
+
 def parse_bool(value: str) -> bool:
     """A config parameter's "true" / "false" (ValueError for anything else)."""
     word = str(value).strip().lower()

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from eagle_serve import staging
-from eagle_serve.interfaces import (RaggedBatch, RowSampling, TargetOutput, TokenBan, ancestor_mask,
-                                    tree_depths)
+from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, ancestor_mask, tree_depths
 from eagle_serve.kv_pages import PagePool
 from eagle_serve.lookup import SOURCES
-from eagle_serve.requests import Request
+from eagle_serve.processors import LogitsProcessors, ProcessorRows, token_logprobs
+from eagle_serve.requests import Request, TokenLogprob
 from eagle_serve.workspace import DraftWorkspace
 from kernels.rejection import (greedy_accept, greedy_tree_walk, random_accept,
                                random_tree_accept_ref)
@@ -72,9 +72,13 @@ class VerifyBatch:
     sampling: RowSampling             # per scored row
     rows: list[VerifyRows]
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None  # (src, dst) slots, applied first
-    ban: TokenBan | None              # EOS masked on rows below their request's min_tokens
+    processors: LogitsProcessors | None  # what the requests' parameters do to the scored rows'
+    #                                   logits (None: nothing)
     drafts: dict[str, tuple[torch.Tensor, torch.Tensor]]  # per acceptance group (see
     #                                   _accept_groups): the drafts [N] and their offsets [B+1]
+    prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first
+    #                                   position, n): logit rows after the scored ones, whose
+    #                                   log-softmax gives the prompt's logprobs
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Verdict:
     """What a request keeps of a round."""
     tokens: list[int]                 # emitted: accepted drafts + the target's token
     path: list[int]                   # accepted draft nodes, root first
+    logprobs: list[TokenLogprob] | None = None  # of each emitted token (the request asked)
 
 
 @dataclass
@@ -113,7 +118,9 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device,
     rows whose prediction falls below the request's min_tokens. Every tensor of the batch
     (and the drafts acceptance compares) goes to the device in one copy (eagle_serve.staging)."""
     ids, positions, cu, seq_lens, slots, logit_rows, sampling, rows = [], [], [0], [], [], [], [], []
-    masks, src, dst, banned = [], [], [], []
+    masks, src, dst = [], [], []
+    procs = ProcessorRows(eos_token_ids)
+    prompt_rows = []  # (request, first position, batch rows): rows scored for prompt logprobs
     for req in reqs:
         start = req.num_computed
         resume = len(req.output) > 0 and start < len(req.tokens) - 1
@@ -127,11 +134,14 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device,
         positions += [len(req.tokens) - 1 + d for d in depths]
         slots += [pool.slot(req.target_pages, p) for p in range(start, start + len(new))]
         n_logits = 0 if resume or stop < end else 1 + len(req.drafts)
-        if n_logits and eos_token_ids:
-            banned += [len(logit_rows) + j for j, d in enumerate([0] + depths) if req.eos_banned(d)]
+        if n_logits:
+            procs.add(req, [[]] + draft_paths(req.drafts, req.parents), [0] + depths)
         logit_rows += range(cu[-1] + len(new) - n_logits, cu[-1] + len(new))
         sampling += [req.sampling_row()] * n_logits
         rows.append(VerifyRows(req, cu[-1], len(real), n_logits, stop < end))
+        lo, hi = max(start, len(req.prompt_logprobs)), min(stop, req.prompt_len - 1)
+        if req.params.prompt_logprobs is not None and hi > lo:
+            prompt_rows.append((req, lo, [cu[-1] + p - start for p in range(lo, hi)]))
         cu.append(cu[-1] + len(new))
         seq_lens.append(start + len(new))
         masks.append((len(real), req.parents))
@@ -139,13 +149,16 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device,
             src.append(pool.slot(req.target_pages, a))
             dst.append(pool.slot(req.target_pages, b))
         req.kv_moves = []
+    for _, _, batch_rows in prompt_rows:  # after the scored rows: greedy rows nobody accepts
+        procs.add_prompt_rows(len(batch_rows))
+        logit_rows += batch_rows
+        sampling += [(0.0, 0, 1.0, 0)] * len(batch_rows)
     fields = {"input_ids": staging.int64(ids), "positions": staging.int64(positions),
               "cu_seqlens": staging.int64(cu), "seq_lens": staging.int64(seq_lens),
               "block_tables": staging.padded([r.target_pages for r in reqs]),
               "slot_mapping": staging.int64(slots), "logit_rows": staging.int64(logit_rows),
-              "kv_src": staging.int64(src), "kv_dst": staging.int64(dst),
-              "ban_rows": staging.int64(banned), "ban_ids": staging.int64(eos_token_ids)}
-    fields |= sampling_fields(sampling)
+              "kv_src": staging.int64(src), "kv_dst": staging.int64(dst)}
+    fields |= sampling_fields(sampling) | procs.fields()
     if any(req.is_tree for req in reqs):
         fields["tree_mask"] = _stack_masks([_verify_mask(n, parents) for n, parents in masks])
     groups = _accept_groups(rows)
@@ -156,9 +169,18 @@ def build_verify_batch(reqs: list[Request], pool: PagePool, device,
     staged = staging.to_device(fields, device)
     batch = RaggedBatch.staged(staged, max((b - a for a, b in zip(cu, cu[1:])), default=0))
     moves = (staged["kv_src"], staged["kv_dst"]) if src else None
-    ban = TokenBan(staged["ban_rows"], staged["ban_ids"]) if banned else None
+    processors = None if procs.empty else LogitsProcessors.staged(staged)
     drafts = {name: (staged[name + "_drafts"], staged[name + "_cu"]) for name in groups}
-    return VerifyBatch(batch, staged["logit_rows"], RowSampling.staged(staged), rows, moves, ban, drafts)
+    return VerifyBatch(batch, staged["logit_rows"], RowSampling.staged(staged), rows, moves, processors,
+                       drafts, [(req, lo, len(r)) for req, lo, r in prompt_rows])
+
+
+def draft_paths(drafts: list[int], parents: list[int]) -> list[list[int]]:
+    """The tokens from the root to each draft node, the node included (a chain: its prefixes)."""
+    paths: list[list[int]] = []
+    for tok, parent in zip(drafts, parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [tok])
+    return paths
 
 
 def _accept_groups(rows: list[VerifyRows]) -> dict[str, list[VerifyRows]]:
@@ -230,6 +252,31 @@ def accept(result: TargetOutput, vb: VerifyBatch, workspace: DraftWorkspace, voc
     return verdicts
 
 
+def attach_logprobs(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict]) -> None:
+    """The logprobs of every emitted token of the requests that asked, from the row that
+    predicted it: token j of a verdict comes from row 0 (j = 0) or from the row of the accepted
+    node before it; and those of the prompt tokens computed this round, where asked."""
+    picks, owners, lp_row = [], [], 0
+    for r in vb.rows:
+        if not r.num_logits or r.req.params.logprobs is None:
+            continue
+        verdict = verdicts.get(r.req.id)
+        if verdict is not None:
+            rows = [0] + [1 + n for n in verdict.path]
+            picks += [(lp_row + rows[j], tok, r.req.params.logprobs) for j, tok in enumerate(verdict.tokens)]
+            owners.append(verdict)
+        lp_row += r.num_logits
+    for req, first, n in vb.prompt_rows:  # position p predicts prompt token p + 1
+        picks += [(lp_row + i, req.tokens[first + i + 1], req.params.prompt_logprobs) for i in range(n)]
+        lp_row += n
+    found = token_logprobs(result.logprobs, picks) if picks else []
+    for verdict in owners:
+        verdict.logprobs, found = found[:len(verdict.tokens)], found[len(verdict.tokens):]
+    for req, _, n in vb.prompt_rows:
+        req.prompt_logprobs += found[:n]
+        found = found[n:]
+
+
 def _verdicts(reqs: list[Request], out: torch.Tensor, num: torch.Tensor,
               path: torch.Tensor | None = None) -> dict[str, Verdict]:
     """An acceptance's out [B, max_k + 1], num [B] (and path [B, max_k] of a tree) -> verdicts,
@@ -267,7 +314,7 @@ def advance(result: TargetOutput, vb: VerifyBatch, verdicts: dict[str, Verdict],
         path = verdict.path if verdict else []
         if verdict is not None:
             _count_round(req, path, stats)
-            req.append(verdict.tokens, eos_token_ids)
+            req.append(verdict.tokens, eos_token_ids, verdict.logprobs)
         base = req.num_computed + r.num_real  # position of draft node 0
         spans.append((r, req.num_computed, list(range(r.first_row, r.first_row + r.num_real))
                       + [r.first_row + r.num_real + i for i in path]))

@@ -26,7 +26,7 @@ import torch
 
 from eagle_serve import internal_key
 from eagle_serve import triton_utils as tu
-from eagle_serve.bls import (ban_from_request, batch_from_request, input_tensor, optional_pair,
+from eagle_serve.bls import (processors_from_request, batch_from_request, input_tensor, optional_pair,
                              response_tensors, shapes_from_request)
 from eagle_serve.settings import read_settings, settings_file
 from kernels.warmup import warm_drafter, warm_target
@@ -142,9 +142,11 @@ class TargetWorker(_Worker):
         rows = input_tensor(pb, request, "logit_rows").to(self.device)
         moves = optional_pair(pb, request, ("kv_move_src", "kv_move_dst"), self.device)
         out = self.model.forward(batch, rows, sampling, kv_moves=moves,
-                                 ban=ban_from_request(pb, request, self.device))
-        return response_tensors(pb, {"hidden": out.hidden, "argmax": out.argmax,
-                                     "probs": out.probs.float()}, self.epoch)
+                                 processors=processors_from_request(pb, request, self.device))
+        named = {"hidden": out.hidden, "argmax": out.argmax, "probs": out.probs.float()}
+        if out.logprobs is not None:
+            named["logprobs"] = out.logprobs.float()
+        return response_tensors(pb, named, self.epoch)
 
 
 class DrafterWorker(_Worker):

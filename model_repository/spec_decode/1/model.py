@@ -11,7 +11,7 @@ from eagle_serve.engine import Engine
 from eagle_serve.lookup import load_corpus_index
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.service import SpecDecodeService
-from eagle_serve.settings import EngineConfig, ServingSettings
+from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults
 from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 from eagle_serve.workers import instance_device, log_warmup
 from kernels.warmup import warm_engine
@@ -43,7 +43,8 @@ class TritonPythonModel:
         self.service = SpecDecodeService(pb_utils, engine, metrics, settings.max_input_bytes,
                                          draft_timeout_s=settings.model_call_timeout_s,
                                          on_broken=tu.stop_server,
-                                         apply_chat_template=settings.apply_chat_template)
+                                         apply_chat_template=settings.apply_chat_template,
+                                         defaults=generation_defaults(target_dir))
         tu.freeze_loaded_objects()
 
     def execute(self, requests):

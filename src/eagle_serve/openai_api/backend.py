@@ -18,6 +18,8 @@ from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 
 from eagle_serve.client import grpc_inputs
 from eagle_serve.openai_api.protocol import Chunk, Counters, GenerateParams, OpenAIError
+from eagle_serve.requests import TokenLogprob
+from eagle_serve.tokenization import decode_delta
 
 MODEL = "spec_decode"
 CHANNEL_ARGS = [
@@ -49,7 +51,8 @@ def error_from_rpc(error: grpc.RpcError) -> OpenAIError:
     return OpenAIError(500, f"inference server error: {error.details()}", code="internal_error")
 
 
-def read_chunk(result) -> Chunk:
+def read_chunk(result, tokenizer=None, prompt: list[int] | None = None) -> Chunk:
+    """tokenizer: decode the text here (a token-id prompt: spec_decode sends no text then)."""
     def scalar(name):
         return result.as_numpy(name).reshape(-1)[0]
     counters = Counters(input_tokens=int(scalar("num_input_tokens")),
@@ -58,8 +61,28 @@ def read_chunk(result) -> Chunk:
                         accepted_tokens=int(scalar("num_accepted_tokens")),
                         rounds=int(scalar("num_rounds")),
                         cached_tokens=int(scalar("num_cached_tokens")))
-    return Chunk(scalar("text_output").decode("utf-8", errors="replace"), counters,
-                 scalar("finish_reason").decode())
+    finish = scalar("finish_reason").decode()
+    if tokenizer is None:
+        text = scalar("text_output").decode("utf-8", errors="replace")
+    else:
+        ids, prev = (result.as_numpy(n).reshape(-1).tolist() for n in ("output_ids", "prev_ids"))
+        text = decode_delta(tokenizer, prev, ids, bool(finish))
+    prompt_logprobs = read_logprobs(result, prompt[1:], "prompt_") if prompt else []
+    return Chunk(text, counters, finish, read_logprobs(result, None), prompt_logprobs or None)
+
+
+def read_logprobs(result, ids: list[int] | None, prefix: str = "") -> list[TokenLogprob]:
+    """The response's logprobs (prefix "prompt_": the prompt's, of `ids`; else of output_ids)."""
+    chosen = result.as_numpy("prompt_log_probs" if prefix else "output_log_probs")
+    if chosen is None or chosen.size == 0:
+        return []
+    ids = ids if ids is not None else result.as_numpy("output_ids").reshape(-1).tolist()
+    top_ids, top = result.as_numpy(prefix + "top_logprob_ids"), result.as_numpy(prefix + "top_logprobs")
+    width = top_ids.shape[-1]
+    n = chosen.size
+    top_ids, top = top_ids.reshape(n, width).tolist(), top.reshape(n, width).tolist()
+    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in
+            zip(ids, chosen.reshape(-1).tolist(), top_ids, top)]
 
 
 class SpecDecodeClient:
@@ -76,13 +99,15 @@ class SpecDecodeClient:
         except Exception:  # unreachable, restarting: not ready
             return False
 
-    async def generate(self, prompt: str, params: GenerateParams, stream: bool,
-                       request_id: str = "") -> AsyncIterator[Chunk]:
+    async def generate(self, prompt: str | list[int], params: GenerateParams, stream: bool,
+                       request_id: str = "", tokenizer=None) -> AsyncIterator[Chunk]:
         """The responses of one request: one Chunk (stream=False) or one per round. `prompt`
-        is sent as is (apply_chat_template=false). Raises OpenAIError."""
+        is sent as is (apply_chat_template=false), or as token ids (then `tokenizer` decodes
+        the output). Raises OpenAIError."""
         values = {k: v for k, v in asdict(params).items() if k != "stop"}
-        inputs = grpc_inputs(prompt, stop=list(params.stop), apply_chat_template=False,
-                             stream=stream, **values)
+        template = {"apply_chat_template": False} if isinstance(prompt, str) else {}
+        inputs = grpc_inputs(prompt, stop=list(params.stop), stream=stream, **template, **values)
+        decoder = None if isinstance(prompt, str) else tokenizer
 
         async def requests():
             yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
@@ -92,7 +117,7 @@ class SpecDecodeClient:
             async for result, error in call:
                 if error is not None:
                     raise error_from_message(error.message())
-                yield read_chunk(result)
+                yield read_chunk(result, decoder, None if isinstance(prompt, str) else prompt)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         finally:

@@ -7,32 +7,29 @@ honour are refused when set to anything but their default; unknown fields are ig
 """
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from eagle_serve.requests import MAX_CACHE_SALT_BYTES, TO_THE_END, acceptance_length
+from eagle_serve.requests import (MAX_BAD_WORDS, MAX_CACHE_SALT_BYTES, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS,
+                                  MAX_TOP_LOGPROBS, TO_THE_END, TokenLogprob, acceptance_length)
 
 # Fields this server cannot honour -> the values that ask for nothing; others get a 400 naming
 # the field. The neutral values include what vllm-router adds to every request it forwards
 # (logprobs false, skip_special_tokens true, ...: docs/deploy.md).
 UNSUPPORTED = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "prompt_logprobs": (0,), "logit_bias": ({},),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "min_p": (0,), "stop_token_ids": ([],), "bad_words": ([],), "allowed_token_ids": ([],),
+    "prompt_logprobs": (0,), "allowed_token_ids": ([],),
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "prediction": (), "audio": (),
+    "echo": (False,), "suffix": ("",), "prediction": (), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "logits_processors": (), "prompt_embeds": (),
     "return_hidden_states": (False,), "continue_final_message": (False,), "no_stop_trim": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,), "separate_reasoning": (True, False),
     "stream_reasoning": (True, False), "include_reasoning": (True, False)}
 MAX_TEXT_CHARS = 1 << 20  # /tokenize and /detokenize: bounded work for a client-sized input
+MAX_CHOICES = 16          # n x prompts of one request: each is a request of its own
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # spec_decode -> OpenAI
 
 
@@ -57,6 +54,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None   # the output always follows the schema here, strict or not
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(BaseModel):
     """What chat and completion requests share; the speculative knobs, top_k, ignore_eos and
     min_tokens (vLLM's: no EOS or stop string ends the output before it) are extensions (the
@@ -70,7 +87,20 @@ class SamplingRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)  # vLLM's extensions from here
+    min_p: float | None = Field(None, ge=0, le=1)
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's, and its older guided_* fields
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None                      # accepted and ignored
@@ -88,9 +118,19 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; else the alternatives per token (chat and completions differ)."""
+        raise NotImplementedError
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        return None
+
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise OpenAIError(400, f"n must be 1 (this server returns one choice), got {self.n}", "n")
+        guides = self.guides()
+        if guides:  # the engine's grammar support lands next
+            raise OpenAIError(400, "structured output is not supported by this server yet", next(iter(guides)))
         for name, harmless in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value not in harmless:
@@ -98,6 +138,8 @@ class SamplingRequest(BaseModel):
 
     def params(self) -> "GenerateParams":
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        # OpenAI's range for a bias; vLLM clamps it the same way
+        bias = {t: min(100.0, max(-100.0, b)) for t, b in (self.logit_bias or {}).items()}
         return GenerateParams(  # without max_tokens: to the end of the context, as vLLM's
             max_tokens=self.max_completion_tokens or self.max_tokens or TO_THE_END,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -105,7 +147,56 @@ class SamplingRequest(BaseModel):
             num_speculative_tokens=self.num_speculative_tokens, draft_topk=self.draft_topk,
             draft_depth=self.draft_depth, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             stop=stop, context_lookup=self.context_lookup, corpus_lookup=self.corpus_lookup,
-            cache_salt=self.cache_salt)
+            cache_salt=self.cache_salt, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p, logit_bias_ids=list(bias), logit_bias_values=[bias[t] for t in bias],
+            bad_words=list(self.bad_words or []), stop_token_ids=list(self.stop_token_ids or []),
+            logprobs=self.top_logprobs_count, prompt_logprobs=self.prompt_logprobs_count,
+            **guide_fields(self.guide()))
+
+    def guide(self) -> tuple[str, str] | None:
+        """The one structured-output guide the request sets -> (TensorRT-LLM's guide type, the
+        guide), or None. Two at once are refused."""
+        guides = self.guides()
+        if len(guides) > 1:
+            raise OpenAIError(400, f"set one structured-output guide, not {sorted(guides)}", sorted(guides)[0])
+        return next(iter(guides.values()), None)
+
+    def guides(self) -> dict[str, tuple[str, str]]:
+        """{field: (guide type, guide)} of every structured-output field set."""
+        guides: dict[str, tuple[str, str]] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            guides["response_format"] = ("json", "")
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise OpenAIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            guides["response_format"] = ("json_schema", json.dumps(fmt.json_schema.schema_))
+        so = self.structured_outputs or StructuredOutputs()
+        for name, value, kind in (("guided_json", self.guided_json, "json_schema"),
+                                  ("guided_regex", self.guided_regex, "regex"),
+                                  ("guided_choice", self.guided_choice, "choice"),
+                                  ("guided_grammar", self.guided_grammar, "ebnf_grammar"),
+                                  ("structured_outputs", so.json_, "json_schema"),
+                                  ("structured_outputs", so.regex, "regex"),
+                                  ("structured_outputs", so.choice, "choice"),
+                                  ("structured_outputs", so.grammar, "ebnf_grammar")):
+            if value is not None:
+                text = value if isinstance(value, str) and kind != "choice" else json.dumps(value)
+                guides.setdefault(name, (kind, text))
+                if guides[name] != (kind, text):
+                    raise OpenAIError(400, f"{name} sets more than one guide", name)
+        if so.json_object:
+            guides.setdefault("structured_outputs", ("json", ""))
+        return guides
+
+    def choice_params(self, i: int) -> "GenerateParams":
+        """The i-th of n choices: a seeded request's choices use seeds seed, seed + 1, ... (each
+        reproducible, and independent of the others)."""
+        params = self.params()
+        if self.seed is None or i == 0:
+            return params
+        return replace(params, seed=(self.seed + i) % 2 ** 64)
 
 
 class TextPart(BaseModel):
@@ -125,18 +216,65 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS where it adds one)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def logprobs_false_is_none(cls, value):  # what vllm-router sends: "logprobs": false
+        return None if value is False else value
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        """echo with logprobs: the prompt's too."""
+        return self.logprobs if self.echo else None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of not in (None, self.n):
+            raise OpenAIError(400, f"best_of must equal n ({self.n}): this server returns every "
+                                   f"sequence it generates, got {self.best_of}", "best_of")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise OpenAIError(400, f"prompts x n may be at most {MAX_CHOICES}, got "
+                                   f"{len(self.prompts())} x {self.n}", "n")
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError(400, "prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if any(isinstance(x, list) and not x for x in p):
+            raise OpenAIError(400, "a token-id prompt must not be empty", "prompt")
+        return list(p)
 
     def text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise OpenAIError(400, "prompt must be one string (batches of prompts are not "
-                                   f"supported), got {len(self.prompt)}", "prompt")
-        return self.prompt[0]
+        """The one text prompt (render endpoints)."""
+        prompts = self.prompts()
+        if len(prompts) != 1 or not isinstance(prompts[0], str):
+            raise OpenAIError(400, "give one text prompt", "prompt")
+        return prompts[0]
 
 
 class TokenizeRequest(BaseModel):
@@ -179,6 +317,22 @@ class GenerateParams:
     context_lookup: bool | None = None
     corpus_lookup: bool | None = None
     cache_salt: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias_ids: list[int] = ()
+    logit_bias_values: list[float] = ()
+    bad_words: list[str] = ()
+    stop_token_ids: list[int] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    guided_decoding_guide_type: str | None = None
+    guided_decoding_guide: str | None = None
+
+
+def guide_fields(guide: tuple[str, str] | None) -> dict:
+    return {} if guide is None else {"guided_decoding_guide_type": guide[0], "guided_decoding_guide": guide[1]}
 
 
 @dataclass(frozen=True)
@@ -205,46 +359,10 @@ class Counters:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One spec_decode response: the new text, running totals, and "" or why it finished."""
+    """One spec_decode response: the new text, running totals, and "" or why it finished;
+    the new tokens' logprobs when asked."""
     text: str
     counters: Counters
     finish_reason: str = ""
-
-
-class Answer:
-    """Builds the JSON of one request's answer: whole or as stream chunks, chat or completion."""
-
-    def __init__(self, kind: Literal["chat", "completion"], model: str):
-        self.kind, self.model = kind, model
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-
-    def _envelope(self, stream: bool) -> dict:
-        kinds = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk",
-                 ("completion", False): "text_completion", ("completion", True): "text_completion"}
-        return {"id": self.id, "object": kinds[self.kind, stream], "created": self.created,
-                "model": self.model}
-
-    def _choice(self, text: str | None, finish_reason: str | None, stream: bool,
-                role: bool = False) -> dict:
-        if self.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        body = {"content": text} if text is not None else {}
-        if role or not stream:
-            body = {"role": "assistant", **body}
-        key = "delta" if stream else "message"
-        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish_reason}
-
-    def whole(self, text: str, last: Chunk) -> dict:
-        reason = FINISH_REASONS.get(last.finish_reason, "stop")
-        return {**self._envelope(False), "choices": [self._choice(text, reason, False)],
-                "usage": last.counters.usage()}
-
-    def chunk(self, text: str | None, finish_reason: str = "", role: bool = False,
-              include_usage: bool = False) -> dict:
-        reason = FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
-        body = {**self._envelope(True), "choices": [self._choice(text, reason, True, role)]}
-        return {**body, "usage": None} if include_usage else body
-
-    def usage_chunk(self, last: Chunk) -> dict:
-        return {**self._envelope(True), "choices": [], "usage": last.counters.usage()}
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens but the first (asked)

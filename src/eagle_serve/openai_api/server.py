@@ -17,7 +17,7 @@ import secrets
 import urllib.request
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -27,9 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from eagle_serve import paths
 from eagle_serve.openai_api.backend import SpecDecodeClient
-from eagle_serve.openai_api.protocol import (Answer, ChatCompletionRequest, Chunk,
-                                             CompletionRequest, DetokenizeRequest, OpenAIError,
-                                             SamplingRequest, TokenizeRequest)
+from eagle_serve.openai_api.answers import Answer, Choice
+from eagle_serve.openai_api.protocol import (MAX_TEXT_CHARS, ChatCompletionRequest, Chunk,
+                                             CompletionRequest, DetokenizeRequest, GenerateParams,
+                                             OpenAIError, SamplingRequest, TokenizeRequest)
 from eagle_serve.settings import model_context, read_settings, tokenizer_dir
 from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
 
@@ -60,6 +61,9 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
         await backend.close()
 
     app = FastAPI(title="eagle-serve OpenAI-compatible API", lifespan=lifespan)
+
+    def answer(kind: str) -> Answer:
+        return Answer(kind, model_id, lambda t: decode(tokenizer, [t], skip_special_tokens=False))
 
     async def require_key(request: Request):
         # health and metrics stay open for probes and scrapers; the API needs a key when set
@@ -113,7 +117,7 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model, model_id)
         body.check_supported()
-        return await respond(backend, Answer("chat", model_id), chat_prompt(body), body, request)
+        return await respond(backend, answer("chat"), jobs_of(body, [chat_prompt(body)]), body, request)
 
     # vLLM's render endpoints: the prompt ids a request would run on, without running it. A
     # cache-aware router (vllm-router) asks for them to route requests by their token prefix.
@@ -125,7 +129,7 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     @app.post("/v1/completions/render", dependencies=keyed)
     async def render_completion(body: CompletionRequest):
         check_model(body.model, model_id)
-        return [rendered(encode_prompt(tokenizer, body.text(), apply_chat_template=False))]
+        return [rendered(completion_ids(p, body.add_special_tokens)) for p in body.prompts()]
 
     @app.post("/tokenize", dependencies=keyed)
     async def tokenize(body: TokenizeRequest):
@@ -147,7 +151,25 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model, model_id)
         body.check_supported()
-        return await respond(backend, Answer("completion", model_id), body.text(), body, request)
+        prompts = body.prompts()
+        echoes = [p if isinstance(p, str) else decode(tokenizer, p) for p in prompts] if body.echo else None
+        ids = [completion_ids(p, body.add_special_tokens) for p in prompts]
+        return await respond(backend, answer("completion"), jobs_of(body, ids, echoes), body, request,
+                             tokenizer)
+
+    def completion_ids(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt's ids: text with the tokenizer's own special tokens (a BOS where
+        it adds one), as vLLM encodes it; token ids as given."""
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_TEXT_CHARS:
+                raise OpenAIError(400, f"prompt may have at most {MAX_TEXT_CHARS} characters", "prompt")
+            ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+            if not ids:
+                raise OpenAIError(400, "the prompt encodes to no tokens", "prompt")
+            return ids
+        if any(not 0 <= t < len(tokenizer) for t in prompt):
+            raise OpenAIError(400, f"prompt token ids must lie in [0, {len(tokenizer)})", "prompt")
+        return prompt
 
     return app
 
@@ -197,22 +219,49 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready."""
 
 
-async def respond(backend: SpecDecodeClient, answer: Answer, prompt: str, body: SamplingRequest,
-                  request: Request):
-    """Whole answer, or an SSE stream once the first response came back without error."""
-    chunks = backend.generate(prompt, body.params(), body.stream, request_id=answer.id)
+@dataclass(frozen=True)
+class Job:
+    """One sequence to generate: a choice of the answer."""
+    choice: Choice
+    prompt: str | list[int]
+    params: GenerateParams
+
+
+def jobs_of(body: SamplingRequest, prompts: list[str | list[int]], echoes: list[str] | None = None) -> list[Job]:
+    """n choices per prompt, prompt-major (OpenAI's choice order)."""
+    def choice(p: int, i: int, prompt) -> Choice:
+        echoed_ids = prompt if echoes and body.prompt_logprobs_count is not None else []
+        return Choice(p * body.n + i, p, echo=echoes[p] if echoes else "", prompt_ids=echoed_ids)
+    return [Job(choice(p, i, prompt), prompt, body.choice_params(i))
+            for p, prompt in enumerate(prompts) for i in range(body.n)]
+
+
+async def respond(backend: SpecDecodeClient, answer: Answer, jobs: list[Job], body: SamplingRequest,
+                  request: Request, tokenizer=None):
+    """Whole answer, or an SSE stream once every choice's first response came back without
+    error. The choices run as requests of their own, side by side."""
+    streams = [backend.generate(j.prompt, j.params, body.stream, request_id=f"{answer.id}-{j.choice.index}",
+                                tokenizer=tokenizer) for j in jobs]
+    with_logprobs = body.top_logprobs_count is not None
     if not body.stream:
-        async with aclosing(chunks):
-            got = await until_disconnect(request, collect(chunks))
-        return answer.whole("".join(c.text for c in got), got[-1])
+        try:
+            got = await until_disconnect(request, asyncio.gather(*(collect(s) for s in streams)))
+        finally:
+            for s in streams:
+                await s.aclose()
+        for job, chunks in zip(jobs, got):
+            for chunk in chunks:
+                job.choice.add(chunk)
+        return answer.whole([j.choice for j in jobs], with_logprobs)
     try:
-        first = await until_disconnect(request, anext(chunks, None))
+        firsts = await until_disconnect(request, asyncio.gather(*(anext(s, None) for s in streams)))
     except BaseException:
-        await chunks.aclose()
+        for s in streams:
+            await s.aclose()
         raise
-    if first is None:
+    if any(f is None for f in firsts):
         raise OpenAIError(500, "the inference server ended the request without an answer")
-    return StreamingResponse(sse(answer, first, chunks, body.include_usage),
+    return StreamingResponse(sse(answer, jobs, firsts, streams, body.include_usage, with_logprobs),
                              media_type="text/event-stream")
 
 
@@ -245,37 +294,72 @@ async def until_disconnect(request: Request, work):
     return task.result()
 
 
-async def sse(answer: Answer, first: Chunk, rest: AsyncIterator[Chunk],
-              include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI's stream: (chat) a role chunk, content chunks, one with finish_reason, the usage
-    chunk when asked, then [DONE]; an error after the first tokens is an `error` event.
-    Starlette cancels this generator when the client disconnects; closing `rest` then
-    cancels the gRPC stream."""
+async def merged(firsts: list[Chunk], streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(stream index, chunk) as they arrive from every stream, each stream's first chunk first."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for chunk in stream:
+                await queue.put((i, chunk, None))
+        except Exception as error:  # noqa: BLE001: handed to the reader
+            await queue.put((i, None, error))
+        await queue.put((i, None, None))
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                open_streams -= 1
+            else:
+                yield i, chunk
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def sse(answer: Answer, jobs: list[Job], firsts: list[Chunk], streams: list[AsyncIterator[Chunk]],
+              include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
+    """OpenAI's stream: (chat) a role chunk per choice, content chunks, one with finish_reason
+    per choice, the usage chunk when asked, then [DONE]; an error after the first tokens is an
+    `error` event. Starlette cancels this generator when the client disconnects; closing the
+    streams then cancels their gRPC streams."""
     def event(data: dict) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
-    async def all_chunks():
-        yield first
-        async for chunk in rest:
-            yield chunk
-
-    async with aclosing(rest):
-        if answer.kind == "chat":
-            yield event(answer.chunk("", role=True, include_usage=include_usage))
-        last = first
+    try:
+        for job, first in zip(jobs, firsts):
+            choice = job.choice
+            if answer.kind == "chat":
+                yield event(answer.chunk(choice.index, "", role=True, include_usage=include_usage))
+            elif choice.echo:
+                choice.add(replace(first, text="", logprobs=[]))  # the prompt's logprobs
+                lp = answer.logprobs(choice.echo_logprobs) if with_logprobs else None
+                yield event(answer.chunk(choice.index, choice.echo, include_usage=include_usage, logprobs=lp))
         try:
-            async for chunk in all_chunks():
-                last = chunk
-                if chunk.text:
-                    yield event(answer.chunk(chunk.text, include_usage=include_usage))
+            async for i, chunk in merged(firsts, streams):
+                choice = jobs[i].choice
+                offset = len(choice.echo) + len(choice.text)
+                choice.add(chunk)
+                if chunk.text or chunk.logprobs:
+                    lp = answer.logprobs(chunk.logprobs, offset) if with_logprobs else None
+                    yield event(answer.chunk(choice.index, chunk.text, include_usage=include_usage, logprobs=lp))
                 if chunk.finish_reason:
-                    yield event(answer.chunk(None, chunk.finish_reason, include_usage=include_usage))
+                    yield event(answer.chunk(choice.index, None, chunk.finish_reason, include_usage=include_usage))
         except OpenAIError as error:
             yield event(error.body())
         else:
             if include_usage:
-                yield event(answer.usage_chunk(last))
+                yield event(answer.usage_chunk([j.choice for j in jobs]))
         yield "data: [DONE]\n\n"
+    finally:
+        for s in streams:
+            await s.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:
