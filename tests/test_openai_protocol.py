@@ -25,10 +25,10 @@ def test_request_fields_become_spec_decode_inputs():
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("prompt_logprobs", 2),
-                                          ("response_format", {"type": "json_object"}), ("echo", True),
+                                          ("echo", True),
                                           ("allowed_token_ids", [1, 2]), ("suffix", "end"),
                                           ("reasoning_effort", "low"), ("prediction", {"type": "content"}),
-                                          ("guided_json", {"type": "object"}), ("skip_special_tokens", False)])
+                                          ("skip_special_tokens", False)])
 def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(OpenAIError) as caught:
         chat_request(**{field: value}).check_supported()
@@ -116,3 +116,16 @@ def test_usage_carries_the_speculative_counters():
     assert usage["speculative"] == {"draft_tokens": 12, "accepted_tokens": 6, "rounds": 3,
                                     "acceptance_length": 3.0}
     assert Counters().usage()["speculative"]["acceptance_length"] is None
+
+
+def test_structured_output_fields_become_one_guide():
+    schema = {"type": "object"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    params = chat_request(response_format=fmt).params()
+    assert (params.guided_decoding_guide_type, params.guided_decoding_guide) == ("json_schema", '{"type": "object"}')
+    assert chat_request(response_format={"type": "json_object"}).params().guided_decoding_guide_type == "json"
+    assert chat_request(guided_choice=["a", "b"]).params().guided_decoding_guide == '["a", "b"]'
+    assert chat_request(structured_outputs={"grammar": "root ::= \"a\""}).params().guided_decoding_guide_type == "ebnf_grammar"
+    assert chat_request(response_format={"type": "text"}).params().guided_decoding_guide_type is None
+    with pytest.raises(OpenAIError, match="set one structured-output guide"):
+        chat_request(guided_regex="a", response_format={"type": "json_object"}).params()

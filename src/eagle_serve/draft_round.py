@@ -13,7 +13,8 @@ from eagle_serve import staging
 from eagle_serve.drafting import Branch, DraftPolicy, RoundShape
 from eagle_serve.interfaces import DrafterRunner, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.lookup_scores import LookupKey
+from eagle_serve.lookup import GRAMMAR
+from eagle_serve.lookup_scores import MAX_PLACE, LookupKey
 from eagle_serve.verify import DraftWork, sampling_fields
 from eagle_serve.workspace import DraftWorkspace
 
@@ -58,6 +59,8 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         budget, num_head = req.lookup_budget, len(drafts)
         for branch in policy.lookups(req, left, batch_size, first_path(drafts, parents)):
             budget -= merge_branch(drafts, parents, keys, branch, budget)
+        if req.grammar is not None:
+            drafts, parents, keys = _guided(req, drafts, parents, keys, left, cfg.max_speculative_tokens)
         slots = workspace.alloc(len(drafts))
         if slots is None:  # no free slots: this round verifies no drafts
             continue
@@ -68,6 +71,19 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         workspace.store([s for slots, _ in stores for s in slots], torch.cat([q for _, q in stores]))
     if called:  # what the round's drafting took: the call, and the policy's work around it
         policy.costs.record_drafter(time.perf_counter() - start)
+
+
+def _guided(req, drafts: list[int], parents: list[int], keys: list, left: int, most: int):
+    """A guided request's tree: the tokens its grammar forces next joined as a branch from the
+    root (at most `most`, and no more than the output has room for), then, for requests whose
+    drafts are matched (not drawn from q), every node the grammar refuses pruned."""
+    forced = req.grammar.forced()[:max(0, min(most, left))]
+    if forced:
+        branch_keys = [LookupKey(req.rule, GRAMMAR, 0, min(i + 1, MAX_PLACE)) for i in range(len(forced))]
+        merge_branch(drafts, parents, keys, Branch(forced, GRAMMAR, branch_keys), len(forced))
+    if req.matched and drafts:
+        drafts, parents, keys = req.grammar.prune(drafts, parents, keys)
+    return drafts, parents, keys
 
 
 def _read_drafts(out) -> tuple[list[list[int]], list[list[int]] | None]:

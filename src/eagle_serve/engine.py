@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent import futures
 import random
 import threading
 import time
@@ -38,6 +39,7 @@ from eagle_serve import verify
 from eagle_serve.draft_round import propose_drafts
 from eagle_serve.drafting import DraftPolicy
 from eagle_serve.lookup import CorpusIndex
+from eagle_serve.grammar import COMPILE_TIMEOUT_S, Guides
 from eagle_serve.processors import bad_word_ids
 from eagle_serve.interfaces import DrafterRunner, KVLost, ModelUnavailable, TargetRunner
 from eagle_serve.requests import TO_THE_END, Completion, Request, RequestOutput, SamplingParams
@@ -70,6 +72,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._pending_draft: list[DraftWork] = []  # left by step(defer_draft=True)
+        self._guides: Guides | None = None          # built at the first guided request
+        self._compiling: list[Request] = []         # waiting for their grammar (not queued yet)
 
     @property
     def running(self) -> list[Request]:
@@ -105,8 +109,8 @@ class Engine:
             bad = [i for i in ids if not 0 <= i < vocab]
             if bad:
                 raise ValueError(f"{name} must be in [0, {vocab}); got {bad[:8]}")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need the engine's tokenizer")
+        if (params.bad_words or params.guide) and self.tokenizer is None:
+            raise ValueError("bad_words and guides need the engine's tokenizer")
         total = len(prompt_ids) + params.max_tokens
         if total > cfg.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -118,6 +122,8 @@ class Engine:
                       len(prompt_ids), params, k, seed % (1 << 63), stop, list(prompt_ids))
         if params.bad_words:
             req.bad_word_ids = bad_word_ids(self.tokenizer, params.bad_words)
+        if params.guide is not None:  # compiled off the engine's step; admitted once ready
+            req.grammar_future = self.guides().compile(params.guide)
         self.policy.setup_request(req)
         if to_the_end:
             room = min(cfg.max_model_len, self.scheduler.longest(req)) - len(prompt_ids)
@@ -128,7 +134,7 @@ class Engine:
             total = len(prompt_ids) + room
         self.scheduler.can_ever_hold(req, total)
         with self._lock:
-            if len(self.waiting) + len(self._inbox) >= cfg.max_waiting:
+            if len(self.waiting) + len(self._inbox) + len(self._compiling) >= cfg.max_waiting:
                 raise EngineBusy(f"server busy: {cfg.max_waiting} requests are already waiting")
             req.arrival = next(self._arrivals)
             self._inbox.append(("add", req))
@@ -139,7 +145,12 @@ class Engine:
             self._inbox.append(("abort", request_id))
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._inbox)
+        return bool(self.running or self.waiting or self._inbox or self._compiling)
+
+    def guides(self) -> Guides:
+        if self._guides is None:
+            self._guides = Guides(self.tokenizer, self.target.vocab_size, self.config.eos_token_ids)
+        return self._guides
 
     # ---- one round ----
 
@@ -150,6 +161,7 @@ class Engine:
         this round's outputs while the drafter runs (the outputs do not depend on it)."""
         assert not self._pending_draft, "call draft() after step(defer_draft=True)"
         outputs = self._drain_inbox()
+        outputs += self._compiled()
         outputs += [req.take_output() for req in self.scheduler.expire()]
         self.scheduler.schedule()
         reqs = self.scheduler.round_requests()
@@ -248,13 +260,43 @@ class Engine:
         outputs = []
         for kind, item in items:
             if kind == "add":
-                self.waiting.append(item)
+                (self._compiling if item.grammar_future is not None else self.waiting).append(item)
                 continue
-            req = self.scheduler.find(item)
-            if req is not None:
+            req = self.scheduler.find(item) or next((r for r in self._compiling if r.id == item), None)
+            if req in self._compiling:
+                self._compiling.remove(req)
+                req.finish_reason = "cancelled"
+                outputs.append(req.take_output(force=True))
+            elif req is not None:
                 req.finish_reason = "cancelled"
                 self.scheduler.retire(req)
                 outputs.append(req.take_output(force=True))
+        return outputs
+
+    def _compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar compiled (in arrival order); fail those whose guide
+        did not compile, or compiles too slowly. With nothing else to do, wait a little for one."""
+        if self._compiling and not (self.running or self.waiting):
+            futures.wait([r.grammar_future for r in self._compiling], timeout=0.01,
+                         return_when=futures.FIRST_COMPLETED)
+        outputs, now, promoted = [], time.monotonic(), False
+        for req in list(self._compiling):
+            future = req.grammar_future
+            if not future.done() and now - req.arrived_at < COMPILE_TIMEOUT_S:
+                continue
+            self._compiling.remove(req)
+            req.grammar_future = None
+            error = future.exception() if future.done() else TimeoutError(
+                f"the guide did not compile within {COMPILE_TIMEOUT_S:g} s")
+            if error is not None:
+                req.fail(str(error), "INVALID_ARG")
+                outputs.append(req.take_output())
+                continue
+            req.grammar = self.guides().matcher(future.result())
+            self.waiting.append(req)
+            promoted = True
+        if promoted:  # in arrival order with the others
+            self.scheduler.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
         return outputs
 
     def fail_all(self) -> list[str]:
@@ -262,6 +304,8 @@ class Engine:
         with self._lock:
             dropped = [item.id for kind, item in self._inbox if kind == "add"]
             self._inbox.clear()
+        dropped += [req.id for req in self._compiling]
+        self._compiling = []
         dropped += [req.id for req in self.scheduler.drop_all()]
         self._pending_draft = []
         return dropped

@@ -31,7 +31,8 @@ import pydivsufsort
 HEAD = "eagle"                         # the drafter's own drafts
 CONTEXT = "context"
 CORPUS = "corpus"
-SOURCES = (HEAD, CONTEXT, CORPUS)      # every draft node has one
+GRAMMAR = "grammar"                    # tokens a request's grammar forces (eagle_serve.grammar)
+SOURCES = (HEAD, CONTEXT, CORPUS, GRAMMAR)  # every draft node has one
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class LogitsProcessors:
     #                                prompt token (seen only)
     min_p: torch.Tensor            # [R] float32, or [0]: no row has min_p
     logprob_rows: torch.Tensor     # [L] int64: rows whose log-softmax is returned
+    mask_rows: torch.Tensor        # [G] int64: rows a grammar constrains (eagle_serve.grammar)
+    mask_words: torch.Tensor       # [G, W/2] int64: their allowed tokens, xgrammar's int32
+    #                                bitmask (bit t % 32 of word t // 32) two words to an int64
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -54,7 +57,7 @@ class LogitsProcessors:
 
     @staticmethod
     def dtype(name: str) -> torch.dtype:
-        return torch.int64 if name.endswith(("rows", "ids")) else torch.float32
+        return torch.int64 if name.endswith(("rows", "ids", "words")) else torch.float32
 
     @classmethod
     def staged(cls, staged: dict[str, torch.Tensor]) -> "LogitsProcessors":
@@ -68,6 +71,10 @@ def apply_processors(logits: torch.Tensor, procs: LogitsProcessors) -> torch.Ten
     """Steps 1 and 2 in place on logits [R, V] -> the log-softmax [L, V] of the logprob rows
     (None without any). Step 3 is `min_p_mask`."""
     dev = logits.device
+    if procs.mask_rows.numel():
+        rows = procs.mask_rows.to(dev)
+        logits[rows] = logits[rows].masked_fill(~allowed_tokens(procs.mask_words.to(dev), logits.shape[1]),
+                                                float("-inf"))
     if procs.edit_rows.numel():
         rows, ids = procs.edit_rows.to(dev), procs.edit_ids.to(dev)
         logits.index_put_((rows, ids), procs.edit_values.to(dev, logits.dtype), accumulate=True)
@@ -77,6 +84,14 @@ def apply_processors(logits: torch.Tensor, procs: LogitsProcessors) -> torch.Ten
         return None
     rows = logits[procs.logprob_rows.to(dev)]
     return torch.log_softmax(rows if rows.dtype == torch.float64 else rows.float(), dim=-1)
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[G, W/2] int64 bitmask words -> [G, V] bool."""
+    w32 = words.contiguous().view(torch.int32)                                  # [G, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (w32.unsqueeze(-1) >> shifts) & 1                                    # [G, W, 32]
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _penalise(logits: torch.Tensor, procs: LogitsProcessors) -> None:
@@ -127,6 +142,8 @@ class ProcessorRows:
         self.seen_rows, self.seen_ids, self.seen_output = [], [], []
         self.min_p: list[float] = []
         self.logprob_rows: list[int] = []
+        self.mask_rows: list[int] = []
+        self.masks: list[np.ndarray] = []  # [rows, W] int32 each
 
     def add(self, req, paths: list[list[int]], depths: list[int]) -> None:
         """The request's scored rows, in order: paths[j] = the drafts before row j (row 0: [],
@@ -136,6 +153,9 @@ class ProcessorRows:
         self.min_p += [p.min_p] * len(paths)
         if p.logprobs is not None:
             self.logprob_rows += range(first, first + len(paths))
+        if req.grammar is not None:
+            self.mask_rows += range(first, first + len(paths))
+            self.masks.append(req.grammar.masks(req.drafts, req.parents))
         stops = self.eos + p.stop_token_ids
         for j, d in enumerate(depths):  # below min_tokens: no EOS, no stop token id
             if req.eos_banned(d):
@@ -195,11 +215,24 @@ class ProcessorRows:
                 "proc_seen_ids": cat(self.seen_ids, np.int64),
                 "proc_seen_output": cat(self.seen_output, np.float32),
                 "proc_min_p": staging.float32(self.min_p if any(self.min_p) else []),
-                "proc_logprob_rows": staging.int64(self.logprob_rows)}
+                "proc_logprob_rows": staging.int64(self.logprob_rows),
+                "proc_mask_rows": staging.int64(self.mask_rows),
+                "proc_mask_words": _as_int64_words(self.masks)}
 
     @property
     def empty(self) -> bool:
-        return not (self.edit_rows or self.penalty_rows or any(self.min_p) or self.logprob_rows)
+        return not (self.edit_rows or self.penalty_rows or any(self.min_p) or self.logprob_rows
+                    or self.mask_rows)
+
+
+def _as_int64_words(masks: list[np.ndarray]) -> np.ndarray:
+    """[rows, W] int32 bitmasks -> [rows, ceil(W / 2)] int64 (staging moves int64)."""
+    if not masks:
+        return np.zeros((0, 0), dtype=np.int64)
+    words = np.concatenate(masks)
+    if words.shape[1] % 2:
+        words = np.concatenate([words, np.zeros((words.shape[0], 1), dtype=np.int32)], axis=1)
+    return np.ascontiguousarray(words).view(np.int64)
 
 
 def banned_words(words: tuple[tuple[int, ...], ...], output: list[int], path: list[int]) -> list[int]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from eagle_serve.grammar import GrammarState, check_guide
 from eagle_serve.lookup import HEAD, ContextIndex
 from eagle_serve.lookup_scores import LookupKey, LookupScores
 from eagle_serve.settings import EngineConfig
@@ -99,6 +100,8 @@ class SamplingParams:
     #                                   likely alternatives (0-20)
     prompt_logprobs: int | None = None  # the same for each prompt token but the first (raw
     #                                   logits; the prompt is computed, not read from the cache)
+    guide: tuple[str, str] | None = None  # structured output: (guide type, guide), as
+    #                                   eagle_serve.grammar.GUIDE_TYPES (TensorRT-LLM's names)
 
     def validate(self, cfg: EngineConfig, max_k: int) -> None:
         """max_k: the largest k this engine drafts (0 without a drafter)."""
@@ -148,6 +151,10 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.guide is not None:
+            check_guide(self.guide)
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a guide: the grammar ends the output")
 
 
 @dataclass
@@ -226,6 +233,8 @@ class Request:
     num_accepted_tokens: int = 0
     num_rounds: int = 0
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids
+    grammar: GrammarState | None = None  # params.guide's matcher, at the end of the output
+    grammar_future: object | None = field(default=None, repr=False)  # its compile, until done
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of each output token (asked)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (asked)
     _prompt_set: np.ndarray | None = field(default=None, repr=False)
@@ -296,8 +305,8 @@ class Request:
 
     def append(self, tokens: list[int], eos_token_ids: tuple[int, ...],
                logprobs: list[TokenLogprob] | None = None) -> None:
-        """Add accepted tokens (and their logprobs) up to EOS, max_tokens, a stop token id or a
-        stop string (both cut out)."""
+        """Add accepted tokens (and their logprobs) up to EOS, max_tokens, a stop token id, the
+        end of the request's grammar or a stop string (stop ids and strings cut out)."""
         p = self.params
         for tok in tokens:
             self.tokens.append(tok)
@@ -306,6 +315,8 @@ class Request:
                 self.finish_reason = "stop"
             elif tok in eos_token_ids and not p.ignore_eos:
                 self.finish_reason = "stop"
+            elif self.grammar is not None and self.grammar.accept(tok):
+                self.finish_reason = "stop"  # the grammar took its stop token: the output is whole
             elif len(self.output) >= p.max_tokens:
                 self.finish_reason = "length"
             if self.finish_reason:

@@ -31,6 +31,7 @@ from eagle_serve.engine import Engine, EngineBusy
 from eagle_serve.requests import (MAX_BAD_WORDS, MAX_CACHE_SALT_BYTES, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS,
                                   RequestOutput, SamplingParams, TokenLogprob)
 from eagle_serve.interfaces import ModelUnavailable
+from eagle_serve.grammar import MAX_GUIDE_BYTES
 from eagle_serve.metrics import EngineMetrics
 from eagle_serve.tokenization import decode, decode_delta, detok_window
 
@@ -176,7 +177,19 @@ def processor_params(request, defaults: dict) -> dict:
         stop_token_ids=() if stop_ids is None else tuple(stop_ids.tolist()),
         bad_words=() if bad_words is None else tuple(tu.utf8(bytes(w), "bad_words", 256) for w in bad_words),
         logprobs=None if logprobs is None else int(logprobs),
-        prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs))
+        prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs),
+        guide=read_guide(request))
+
+
+def read_guide(request) -> tuple[str, str] | None:
+    """TensorRT-LLM's guided_decoding_guide_type and guided_decoding_guide (None: neither)."""
+    kind = tu.text(request, "guided_decoding_guide_type", max_bytes=64)
+    guide = tu.text(request, "guided_decoding_guide", "", max_bytes=MAX_GUIDE_BYTES)
+    if kind is None:
+        if guide:
+            raise tu.RequestError("guided_decoding_guide needs guided_decoding_guide_type")
+        return None
+    return kind, guide
 
 
 def bounded_row(request, name: str, limit: int) -> np.ndarray | None:

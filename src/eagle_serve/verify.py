@@ -25,7 +25,7 @@ import torch
 from eagle_serve import staging
 from eagle_serve.interfaces import RaggedBatch, RowSampling, TargetOutput, ancestor_mask, tree_depths
 from eagle_serve.kv_pages import PagePool
-from eagle_serve.lookup import SOURCES
+from eagle_serve.lookup import GRAMMAR, SOURCES
 from eagle_serve.processors import LogitsProcessors, ProcessorRows, token_logprobs
 from eagle_serve.requests import Request, TokenLogprob
 from eagle_serve.workspace import DraftWorkspace
@@ -360,10 +360,11 @@ def _observe_head(req: Request, depths: list[int], path: list[int]) -> None:
 
 def _observe_lookups(req: Request, path: list[int]) -> None:
     """Count the request's lookup drafts that were reached (their parent accepted, or they hang
-    from the root), each accepted or not, in the process's table (lookup_scores)."""
+    from the root), each accepted or not, in the process's table (lookup_scores). A grammar's
+    forced tokens are drafted whatever their record, so they are not scored."""
     kept = set(path)
     for n, key in enumerate(req.draft_keys):
-        if key is not None and (req.parents[n] < 0 or req.parents[n] in kept):
+        if key is not None and key.source != GRAMMAR and (req.parents[n] < 0 or req.parents[n] in kept):
             req.lookup_scores.record(key, n in kept)
 
 

@@ -128,9 +128,6 @@ class SamplingRequest(BaseModel):
         return None
 
     def check_supported(self) -> None:
-        guides = self.guides()
-        if guides:  # the engine's grammar support lands next
-            raise OpenAIError(400, "structured output is not supported by this server yet", next(iter(guides)))
         for name, harmless in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value not in harmless:

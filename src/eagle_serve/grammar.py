@@ -1,0 +1,166 @@
+"""Structured output: a request's guide (a JSON schema, any JSON, a regex, a choice of strings or
+an EBNF grammar) compiled against the target's tokenizer, and the matcher that follows the
+request's output.
+
+xgrammar (vLLM's and SGLang's default backend) rather than llguidance: its matcher rolls back
+over rejected tokens, and finds the continuation a grammar forces (jump-forward), the two things
+speculation needs; compiled grammars are cached by the compiler (the same schema compiles once).
+Compiling runs in a thread of its own, off the engine's step: the engine admits a request once
+its grammar is ready, so a slow compile delays only its own request; guides are bounded in size
+and their compile in time.
+
+A token mask applies at every verify row (the target's logits are -inf outside it,
+eagle_serve.processors), computed on the matcher advanced over the row's own path: the output
+is exactly plain constrained decoding's. Drafts the grammar rejects are pruned before
+verification (greedy and coupled requests: their drafts are not drawn from q), and the tokens
+the grammar forces join the draft tree as one more source (lookup.GRAMMAR).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+GUIDE_TYPES = ("json_schema", "json", "regex", "choice", "ebnf_grammar")  # TensorRT-LLM's + choice
+MAX_GUIDE_BYTES = 64 * 1024
+MAX_CHOICES = 256
+COMPILE_TIMEOUT_S = 10.0
+
+
+def check_guide(guide: tuple[str, str]) -> None:
+    """Cheap checks before compiling (ValueError naming the problem)."""
+    kind, text = guide
+    if kind not in GUIDE_TYPES:
+        raise ValueError(f"guided_decoding_guide_type must be one of {GUIDE_TYPES}, got {kind!r}")
+    if len(text.encode("utf-8")) > MAX_GUIDE_BYTES:
+        raise ValueError(f"the guide may be at most {MAX_GUIDE_BYTES} bytes")
+    if kind in ("json_schema", "choice"):
+        try:
+            value = json.loads(text) if text else ({} if kind == "json_schema" else None)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the {kind} guide is not valid JSON: {error}") from None
+        if kind == "choice" and not (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
+                                     and all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"a choice guide is a JSON list of 1 to {MAX_CHOICES} non-empty strings")
+        if kind == "json_schema" and not isinstance(value, (dict, bool)):
+            raise ValueError("a JSON schema is an object")
+    elif kind in ("regex", "ebnf_grammar") and not text:
+        raise ValueError(f"the {kind} guide is empty")
+
+
+class Guides:
+    """Compiles guides for one target tokenizer, one at a time in a thread of their own."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words of a row's bitmask
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    def compile(self, guide: tuple[str, str]) -> Future:
+        """-> a future of the compiled grammar (ValueError when the guide does not compile)."""
+        return self._pool.submit(self._compile, guide)
+
+    def _compile(self, guide: tuple[str, str]):
+        kind, text = guide
+        c = self.compiler
+        try:
+            if kind == "json_schema":
+                return c.compile_json_schema(text or "{}", any_whitespace=False)
+            if kind == "json":
+                return c.compile_builtin_json_grammar()
+            if kind == "regex":
+                return c.compile_regex(text)
+            if kind == "choice":
+                return c.compile_regex("|".join(_regex_escape(s) for s in json.loads(text)))
+            return c.compile_grammar(text)
+        except Exception as error:  # noqa: BLE001: xgrammar's own errors, for the client
+            raise ValueError(f"the {kind} guide does not compile: {error}") from None
+
+    def matcher(self, compiled) -> "GrammarState":
+        return GrammarState(self.xgr.GrammarMatcher(compiled), self.words)
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in r".^$*+?()[]{}|\/" else ch for ch in text)
+
+
+class GrammarState:
+    """One request's matcher, advanced over its output; masks and drafts are worked out by
+    advancing it along a path and rolling it back."""
+
+    def __init__(self, matcher, words: int):
+        self.m, self.words = matcher, words
+        self._lock = threading.Lock()
+
+    def accept(self, token: int) -> bool:
+        """A token the target produced under the mask (one the grammar refuses here is a bug:
+        it is reported) -> whether the grammar has ended (it took a stop token)."""
+        if not self.m.accept_token(token):
+            raise RuntimeError(f"token {token} left the grammar")
+        return self.m.is_terminated()
+
+    def masks(self, drafts: list[int], parents: list[int]) -> np.ndarray:
+        """[1 + n, words] int32 bitmasks of the request's verify rows: row 0 after the output,
+        row 1 + i after the output and the path to draft node i. A node the grammar refuses
+        (and its subtree) keeps its parent's mask: its row is never reached."""
+        import torch
+
+        out = torch.zeros((1 + len(drafts), self.words), dtype=torch.int32)
+        self.m.fill_next_token_bitmask(out, 0)
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, []).append(i)
+
+        def visit(node: int, row: int) -> None:
+            for child in children.get(node, []):
+                if not self.m.accept_token(drafts[child]):
+                    out[1 + child] = out[row]
+                    _copy_subtree(children, child, out, row)
+                    continue
+                if self.m.is_terminated():  # its stop token: the output ends on it
+                    out[1 + child] = out[row]
+                    _copy_subtree(children, child, out, row)
+                else:
+                    self.m.fill_next_token_bitmask(out, 1 + child)
+                    visit(child, 1 + child)
+                self.m.rollback(1)
+        visit(-1, 0)
+        return out.numpy()
+
+    def prune(self, drafts: list[int], parents: list[int], keys: list) -> tuple[list[int], list[int], list]:
+        """The draft tree without the nodes the grammar refuses (and their subtrees)."""
+        keep, new_index = [], {}
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, []).append(i)
+
+        def visit(node: int) -> None:
+            for child in children.get(node, []):
+                if self.m.accept_token(drafts[child]):
+                    keep.append(child)
+                    if not self.m.is_terminated():  # after a stop token, nothing follows
+                        visit(child)
+                    self.m.rollback(1)
+        visit(-1)
+        keep.sort()  # parents stay before children
+        new_index = {old: new for new, old in enumerate(keep)}
+        return ([drafts[i] for i in keep], [new_index.get(parents[i], -1) for i in keep],
+                [keys[i] for i in keep])
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (none when it allows a choice)."""
+        return list(self.m.find_jump_forward_tokens())
+
+
+def _copy_subtree(children: dict, node: int, out, row: int) -> None:
+    for child in children.get(node, []):
+        out[1 + child] = out[row]
+        _copy_subtree(children, child, out, row)

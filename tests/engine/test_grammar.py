@@ -1,0 +1,187 @@
+"""Structured output is exact under speculation: the grammar's mask applies at every verify row
+on the matcher advanced along that row's path, so constrained speculative output equals
+constrained plain decoding (greedy: chains, trees, batches, preemption) and follows the masked
+target law (sampled); no output ever leaves its grammar; drafts the grammar refuses are pruned,
+and the tokens it forces are drafted as a source of their own."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle_serve.lookup import GRAMMAR
+from eagle_serve.requests import SamplingParams
+from eagle_serve.testing import OracleDrafter, TreeOracleDrafter, tiny_engine
+
+MAX_TOKENS = 24
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+GUIDES = {"json_schema": ("json_schema", json.dumps(SCHEMA)), "json": ("json", ""),
+          "regex": ("regex", r"(yes|no), [a-z]{2,5}[0-9]+"), "choice": ("choice", json.dumps(["red", "green", "blue"])),
+          "ebnf_grammar": ("ebnf_grammar", 'root ::= "(" [a-c]+ ")" | "<" [0-9]* ">"')}
+
+
+def greedy(k=0, guide=None, **kw):
+    return SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k, guide=guide, **kw)
+
+
+def fresh_matcher(engine, guide):
+    state = engine.guides().matcher(engine.guides().compile(guide).result())
+    return state.m
+
+
+def assert_in_grammar(engine, guide, tokens: list[int], finished: str) -> None:
+    m = fresh_matcher(engine, guide)
+    for tok in tokens:
+        assert m.accept_token(tok), (engine.tokenizer.decode(tokens), tok)
+    if finished == "stop":
+        assert m.is_terminated()
+
+
+@pytest.mark.parametrize("name", list(GUIDES))
+def test_constrained_speculative_greedy_output_equals_constrained_plain(tiny_target, eagle1_head, prompts, name):
+    guide = GUIDES[name]
+    plain_engine = tiny_engine(tiny_target)
+    plain = plain_engine.generate(prompts, greedy(guide=guide))
+    free = plain_engine.generate(prompts, greedy())
+    assert [r.token_ids for r in plain] != [r.token_ids for r in free]
+    for r in plain:
+        assert_in_grammar(plain_engine, guide, r.token_ids, r.finish_reason)
+    engine = tiny_engine(tiny_target, eagle1_head, max_running=3)
+    for shape in (dict(k=4), dict(k=6, draft_topk=2, draft_depth=3)):
+        got = engine.generate(prompts, greedy(guide=guide, **shape))
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain], shape
+
+
+def test_json_object_output_parses(tiny_target, prompts):
+    engine = tiny_engine(tiny_target)
+    results = engine.generate(prompts, SamplingParams(max_tokens=200, guide=GUIDES["json_schema"]))
+    finished = [r for r in results if r.finish_reason == "stop"]
+    assert finished
+    for r in finished:
+        value = json.loads(engine.tokenizer.decode(r.token_ids, skip_special_tokens=True))
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+@pytest.mark.parametrize("oracle", ["chain", "tree"])
+def test_drafts_that_are_mostly_right_keep_constrained_output_exact(tiny_target, prompts, oracle):
+    guide = GUIDES["regex"]
+    expected = [r.token_ids for r in tiny_engine(tiny_target).generate(prompts, greedy(guide=guide))]
+    engine = tiny_engine(tiny_target, max_running=4)
+    sequences = [p + e for p, e in zip(prompts, expected)]
+    if oracle == "tree":
+        engine.drafter = TreeOracleDrafter(sequences, engine.target.vocab_size)
+        params = greedy(k=6, draft_topk=2, draft_depth=3, guide=guide)
+    else:
+        engine.drafter = OracleDrafter(sequences, engine.target.vocab_size)
+        params = greedy(k=4, guide=guide)
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    assert max(r.acceptance_length for r in results) > 1.5
+
+
+def test_preemption_keeps_constrained_output_exact(tiny_target, eagle1_head, prompts):
+    guide = GUIDES["json"]
+    expected = [r.token_ids for r in tiny_engine(tiny_target).generate(prompts, greedy(guide=guide))]
+    engine = tiny_engine(tiny_target, eagle1_head, page_size=8, num_target_pages=12, num_drafter_pages=12, max_running=4)
+    results = engine.generate(prompts, greedy(k=4, guide=guide))
+    assert [r.token_ids for r in results] == expected
+    assert engine.stats.preemptions > 0
+
+
+def test_forced_tokens_are_drafted_for_free_and_counted_by_source(tiny_target, prompts):
+    """A choice whose words share no prefix: after the first token the rest of the word is
+    forced, and drafted as the grammar tokenizes it (the target may pick another tokenization
+    the mask allows, so not every forced draft is kept), while the head drafts nothing right."""
+    guide = ("choice", json.dumps(["supercalifragilistic", "antidisestablishment"]))
+    engine = tiny_engine(tiny_target, max_running=4)
+    plain = engine.generate(prompts[:4], greedy(guide=guide))
+    assert engine.stats.draft_tokens_by_source[GRAMMAR] == 0
+    engine.drafter = OracleDrafter([p + r.token_ids for p, r in zip(prompts, plain)], engine.target.vocab_size,
+                                   wrong=lambda pos: True)  # the head is always wrong
+    spec = engine.generate(prompts[:4], greedy(k=4, guide=guide))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    s = engine.stats
+    assert s.accepted_tokens_by_source[GRAMMAR] > 0 and s.accepted_tokens_by_source["eagle"] == 0
+    assert sum(r.last.num_rounds for r in spec) < sum(len(r.token_ids) for r in spec)
+
+
+def test_drafts_the_grammar_refuses_are_pruned_before_verification(tiny_target, eagle1_head, prompts):
+    guide = GUIDES["regex"]
+    engine = tiny_engine(tiny_target, eagle1_head, lookup_tokens=0)
+    verified = []
+    forward = engine.target.forward
+
+    def spy(batch, logit_rows, sampling, **kw):
+        verified.append(batch.input_ids.tolist())
+        return forward(batch, logit_rows, sampling, **kw)
+    engine.target.forward = spy
+    engine.generate(prompts[:2], greedy(k=4, guide=guide))
+    # every verified draft is a token the regex allows somewhere: the random head's other
+    # proposals (almost all of the vocabulary) were pruned
+    allowed = set()
+    tok = engine.tokenizer
+    for i in range(engine.target.vocab_size):
+        text = tok.decode([i])
+        if text and all(c in "yesno, abcdefghijklmnopqrstuvwxyz0123456789" for c in text):
+            allowed.add(i)
+    drafted = engine.stats.draft_tokens
+    assert drafted < 4 * engine.stats.rounds  # pruned rounds verify fewer than k drafts
+    assert all(t in allowed for step in verified[1:] for t in step[-1:]) or drafted == 0
+
+
+@pytest.mark.parametrize("guide, message", [
+    (("xml", "<a/>"), "guided_decoding_guide_type must be one of"),
+    (("json_schema", "{not json"), "not valid JSON"),
+    (("choice", "[]"), "a JSON list of 1 to"),
+    (("json_schema", "x" * 70000), "at most 65536 bytes")])
+def test_bad_guides_are_refused_at_once(tiny_target, guide, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_engine(tiny_target).add_request([5, 6, 7], greedy(guide=guide))
+
+
+def test_a_guide_that_does_not_compile_fails_its_request_alone(tiny_target, prompts):
+    engine = tiny_engine(tiny_target)
+    bad = engine.add_request(prompts[0], greedy(guide=("regex", "(unclosed")))
+    good = engine.add_request(prompts[1], greedy(guide=GUIDES["json"]))
+    outs = {}
+    while engine.has_work():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert outs[bad][-1].error and "does not compile" in outs[bad][-1].error
+    assert outs[good][-1].finished and not outs[good][-1].error
+    assert engine.target_pool.num_free == engine.target_pool.num_pages
+
+
+def test_sampled_constrained_output_follows_the_masked_law(tiny_target):
+    """A regex of two letters from {a, b, c}: every output is in the grammar, and the first
+    token's frequencies follow the target's law masked to the tokens the grammar allows there
+    (chi-square), with drafts often accepted (coupled verification)."""
+    from scipy.stats import chi2
+    guide = ("regex", "[abc][abc]")
+    n, prompt, temperature = 1500, [5, 9, 22], 1.5
+    engine = tiny_engine(tiny_target, max_running=64, max_waiting=n, num_draft_slots=512)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, seed=i, guide=guide) for i in range(n)]
+    results = engine.generate([prompt] * n, params)
+    m = fresh_matcher(engine, guide)
+    import xgrammar as xgr
+    mask = xgr.allocate_token_bitmask(1, engine.target.vocab_size)
+    m.fill_next_token_bitmask(mask)
+    allowed = torch.tensor([bool((int(mask[0, t // 32]) >> (t % 32)) & 1) for t in range(engine.target.vocab_size)])
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1] / temperature
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    support = allowed.nonzero().squeeze(1).tolist()
+    counts = torch.zeros(len(support))
+    for r in results:
+        assert_in_grammar(engine, guide, r.token_ids, r.finish_reason)
+        counts[support.index(r.token_ids[0])] += 1
+    expected = probs[support] * n
+    keep = expected >= 5
+    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+                 + (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(expected[~keep].sum(), 1e-9))
+    assert chi2.sf(stat, int(keep.sum())) > 1e-6

@@ -1,0 +1,80 @@
+"""Structured output end to end through the real tritonserver with the official `openai` client:
+`response_format` (json_schema, json_object), vLLM's guided fields, TensorRT-LLM's guide inputs
+on the ensemble; speculative answers equal plain decoding's, and bad guides get a 400."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openai
+import pytest
+import tritonclient.grpc as grpcclient
+
+from test_openai_server import api, chat, tiny, tokenizer, user  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.server
+
+PROMPT = "Describe a person as JSON."
+PLAIN = {"num_speculative_tokens": 0}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_a_json_schema_answer_parses_to_the_schema_and_equals_plain_decodings(api):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    spec = chat(api, user(PROMPT), max_tokens=60, response_format=fmt)
+    plain = chat(api, user(PROMPT), max_tokens=60, response_format=fmt, extra_body=PLAIN)
+    text = spec.choices[0].message.content
+    assert text == plain.choices[0].message.content
+    assert spec.choices[0].finish_reason == "stop"
+    value = json.loads(text)
+    assert set(value) == {"name", "age"} and 0 <= value["age"] <= 99 and len(value["name"]) <= 8
+
+
+def test_json_object_and_vllms_guided_fields(api):
+    obj = chat(api, user(PROMPT), max_tokens=40, response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.lstrip()[:1] in "{[\"-0123456789tfn"
+    choice = chat(api, user("Pick a colour"), max_tokens=8, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert choice.choices[0].message.content in ("red", "green", "blue")
+    regex = chat(api, user("Answer"), max_tokens=12, extra_body={"structured_outputs": {"regex": "(yes|no)-[0-9]{3}"}})
+    assert regex.choices[0].message.content[:3] in ("yes", "no-")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        api, user("Pick a colour"), max_tokens=8, stream=True, extra_body={"guided_choice": ["red", "green", "blue"]})
+        if c.choices)
+    assert streamed == choice.choices[0].message.content
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "json_schema.schema"),
+    (dict(extra_body={"guided_regex": "(unclosed"}), "does not compile"),
+    (dict(extra_body={"guided_json": "{not json"}), "not valid JSON"),
+    (dict(extra_body={"guided_regex": "a", "guided_choice": ["b"]}), "set one structured-output guide"),
+    (dict(extra_body={"guided_json": {"type": "object", "x": "y" * 70000}}), "more than the limit of 65536")])
+def test_bad_guides_get_a_400_naming_the_problem_and_the_next_request_works(api, kw, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(api, user(PROMPT), max_tokens=8, **kw)
+    assert message in caught.value.body["message"]
+    assert chat(api, user(PROMPT), max_tokens=4).choices[0].message.content
+
+
+def test_tritonclient_users_send_tensorrt_llms_guide_inputs_to_the_ensemble(tiny):
+    def run(k: int) -> str:
+        inputs = []
+        for name, array, dtype in (("text_input", np.array([[b"Pick one"]], dtype=np.object_), "BYTES"),
+                                   ("max_tokens", np.array([[8]], np.int32), "INT32"),
+                                   ("num_speculative_tokens", np.array([[k]], np.int32), "INT32"),
+                                   ("guided_decoding_guide_type", np.array([[b"choice"]], dtype=np.object_), "BYTES"),
+                                   ("guided_decoding_guide", np.array([[b'["alpha", "beta"]']], dtype=np.object_), "BYTES")):
+            t = grpcclient.InferInput(name, list(array.shape), dtype)
+            t.set_data_from_numpy(array)
+            inputs.append(t)
+        with grpcclient.InferenceServerClient(tiny.grpc_url) as client:
+            got = []
+            client.start_stream(callback=lambda result, error: got.append((result, error)))
+            client.async_stream_infer("ensemble", inputs, enable_empty_final_response=False)
+            client.stop_stream()
+        (result, error), = [g for g in got if g[0] is not None or g[1] is not None]
+        assert error is None
+        return result.as_numpy("text_output").reshape(-1)[0].decode()
+    assert run(3) == run(0) and run(3) in ("alpha", "beta")
