@@ -24,7 +24,7 @@ def test_request_fields_become_spec_decode_inputs():
     assert chat_request().params().max_tokens == -1  # unset: to the end of the context (vLLM's)
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("prompt_logprobs", 2),
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("prompt_logprobs", 2),
                                           ("echo", True),
                                           ("allowed_token_ids", [1, 2]), ("suffix", "end"),
                                           ("reasoning_effort", "low"), ("prediction", {"type": "content"}),
@@ -129,3 +129,46 @@ def test_structured_output_fields_become_one_guide():
     assert chat_request(response_format={"type": "text"}).params().guided_decoding_guide_type is None
     with pytest.raises(OpenAIError, match="set one structured-output guide"):
         chat_request(guided_regex="a", response_format={"type": "json_object"}).params()
+
+
+def test_hermes_tool_calls_are_parsed_out_of_an_answer():
+    from eagle_serve.openai_api.tools import FunctionDef, parse
+    text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parse(text, "auto")
+    assert content == "Let me look." and calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert parse("no call here", "auto") == ("no call here", [])
+    assert parse("<tool_call>not json</tool_call>", "auto")[1] == []
+    _, named = parse('{"city": "Oslo"}', FunctionDef(name="weather"))
+    assert named[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    _, required = parse('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": 1}}]', "required")
+    assert [c["function"]["name"] for c in required] == ["a", "b"] and required[1]["function"]["arguments"] == '{"x": 1}'
+
+
+def test_a_tool_round_trip_is_written_into_the_conversation_as_hermes_turns():
+    from eagle_serve.openai_api.tools import Tool, hermes_messages
+    tools = [Tool(type="function", function={"name": "weather", "parameters": {"type": "object"}})]
+    request = chat_request(tools=[t.model_dump() for t in tools])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12 C"}]
+    out = hermes_messages(messages, request.tools)
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.") and "<tools>" in out[0]["content"]
+    assert out[2] == {"role": "assistant",
+                      "content": '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n12 C\n</tool_response>"}
+    assert request.tool_mode() == "auto" and request.params().guided_decoding_guide is None
+    assert chat_request(tools=[t.model_dump() for t in tools], tool_choice="none").tool_mode() is None
+
+
+def test_required_and_named_tool_choices_constrain_the_output():
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    named = chat_request(tools=tools, tool_choice={"type": "function", "function": {"name": "weather"}}).params()
+    assert named.guided_decoding_guide_type == "json_schema" and '"city"' in named.guided_decoding_guide
+    required = chat_request(tools=tools, tool_choice="required").params()
+    assert '"minItems": 1' in required.guided_decoding_guide and '"const": "weather"' in required.guided_decoding_guide
+    with pytest.raises(OpenAIError, match="not among the tools"):
+        chat_request(tools=tools, tool_choice={"type": "function", "function": {"name": "other"}}).params()
+    with pytest.raises(OpenAIError, match="set one structured-output guide"):
+        chat_request(tools=tools, tool_choice="required", response_format={"type": "json_object"}).params()

@@ -78,3 +78,47 @@ def test_tritonclient_users_send_tensorrt_llms_guide_inputs_to_the_ensemble(tiny
         assert error is None
         return result.as_numpy("text_output").reshape(-1)[0].decode()
     assert run(3) == run(0) and run(3) in ("alpha", "beta")
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                   "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_named_tool_choice_returns_that_call_with_arguments_in_its_schema(api):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = chat(api, user("Weather in Oslo?"), max_tokens=40, tools=WEATHER, tool_choice=named)
+    plain = chat(api, user("Weather in Oslo?"), max_tokens=40, tools=WEATHER, tool_choice=named, extra_body=PLAIN)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call, = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert call.function.arguments == plain.choices[0].message.tool_calls[0].function.arguments
+
+
+def test_required_tool_choice_gives_at_least_one_call_and_streams_name_then_arguments(api):
+    kw = dict(max_tokens=120, tools=WEATHER, tool_choice="required", parallel_tool_calls=False)
+    reply = chat(api, user("Weather in Oslo?"), **kw)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert all(c.function.name in ("get_weather", "get_time") for c in calls)
+    chunks = list(chat(api, user("Weather in Oslo?"), stream=True, **kw))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == calls[0].function.name and deltas[0].id
+    first = [d.function.arguments for d in deltas if d.index == 0]
+    assert "".join(first) == calls[0].function.arguments  # name first, then argument fragments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_and_a_full_tool_round_trip_are_accepted(api):
+    reply = chat(api, user("Weather in Oslo?"), max_tokens=16, tools=WEATHER, tool_choice="auto")
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    history = user("Weather in Oslo?") + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C and rain"}]
+    after = chat(api, history, max_tokens=12, tools=WEATHER)
+    assert after.choices[0].message.content is not None and after.usage.prompt_tokens > 40

@@ -6,7 +6,8 @@ speculative against plain decoding (num_speculative_tokens 0), interleaved:
 Each prompt runs every configuration in turn (the order rotating from prompt to prompt), so
 drift of the machine falls on all of them alike. A configuration is a feature (none, logprobs
 with 5 alternatives, penalties: frequency 0.5, presence 0.3, repetition 1.1) crossed with a
-decoder (speculative: the server's default; plain). Reported per configuration: output tokens
+decoder (speculative: the server's default; plain); json_schema: a `response_format` schema
+(answer, confidence, keywords), each answer ending where its grammar does. Reported per configuration: output tokens
 per second of wall time over all prompts, and for each feature the speculative speedup and
 whether every speculative answer equals the plain one (text, and logprobs within 1e-4).
 """
@@ -21,15 +22,24 @@ from tqdm import tqdm
 
 from eagle_serve import paths
 
+ANSWER_SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "string"}, "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+    "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+    "required": ["answer", "confidence", "keywords"], "additionalProperties": False}
 FEATURES = {"none": {}, "logprobs": {"logprobs": True, "top_logprobs": 5},
             "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.3,
-                          "extra_body": {"repetition_penalty": 1.1}}}
+                          "extra_body": {"repetition_penalty": 1.1}},
+            "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}}}
+SOURCE_KEY = "eagle_spec_decode_accepted_tokens_by_source_total"
 DECODERS = {"speculative": {}, "plain": {"num_speculative_tokens": 0}}
 
 
 def request(client, model: str, prompt: str, max_tokens: int, feature: str, decoder: str) -> dict:
     kw = {k: v for k, v in FEATURES[feature].items() if k != "extra_body"}
-    extra = {**FEATURES[feature].get("extra_body", {}), **DECODERS[decoder], "ignore_eos": True}
+    extra = {**FEATURES[feature].get("extra_body", {}), **DECODERS[decoder]}
+    if feature != "json_schema":  # a JSON answer ends where its grammar does
+        extra["ignore_eos"] = True
     start = time.perf_counter()
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=max_tokens, temperature=0, extra_body=extra, **kw)
@@ -48,11 +58,30 @@ def run(url: str, prompts: list[str], max_tokens: int, repeats: int) -> dict:
     request(client, model, prompts[0], 8, "none", "speculative")  # warm-up
     results = {f"{f}/{d}": [] for f, d in configs}
     jobs = [(r, i, p) for r in range(repeats) for i, p in enumerate(prompts)]
+    sources: dict[str, float] = {}  # accepted drafts by source, of the speculative JSON requests
     for r, i, prompt in tqdm(jobs, desc="prompts", unit="prompt"):
         turn = (i + r) % len(configs)
         for f, d in configs[turn:] + configs[:turn]:
+            before = by_source(url) if (f, d) == ("json_schema", "speculative") else None
             results[f"{f}/{d}"].append(request(client, model, prompt, max_tokens, f, d))
-    return summarise(results, model, max_tokens, len(prompts), repeats)
+            if before is not None:
+                time.sleep(0.5)  # the counters reach the metrics port every 0.25 s
+                for k, v in by_source(url).items():
+                    sources[k] = sources.get(k, 0.0) + v - before.get(k, 0.0)
+    report = summarise(results, model, max_tokens, len(prompts), repeats)
+    total = sum(sources.values())
+    report["json_schema_accepted_share_by_source"] = {k: v / total for k, v in sources.items()} if total else {}
+    return report
+
+
+def by_source(url: str) -> dict[str, float]:
+    """Accepted drafts by source so far (the server's metrics, through the OpenAI port)."""
+    import re
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.findall(SOURCE_KEY + r'\{source="(\w+)"\} ([0-9.e+]+)', text)
+    return {source: float(value) for source, value in found}
 
 
 def summarise(results: dict, model: str, max_tokens: int, num_prompts: int, repeats: int) -> dict:
@@ -76,7 +105,7 @@ def plot(report: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     names = list(FEATURES)
     for j, d in enumerate(DECODERS):
         values = [report["tokens_per_s"][f"{f}/{d}"] for f in names]
@@ -111,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:24s} {value:7.1f} tok/s  {report['ms_per_token'][name]:6.2f} ms/token")
     for f, v in report["features"].items():
         print(f"{f:12s} speculative {v['speedup']:.2f}x plain, identical: {v['identical']}")
+    print("json_schema: accepted drafts by source", report["json_schema_accepted_share_by_source"])
     if args.plot:
         plot(report, args.plot)
 

@@ -26,6 +26,7 @@ CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eag
 
 
 SAMPLED_VERIFY = ("auto", "rejection", "coupled")
+TOOL_CALL_TEMPLATES = ("auto", "model", "hermes")
 
 
 def check_draft_limits(config) -> None:
@@ -120,6 +121,11 @@ class ServingSettings:
     max_input_bytes: int = 65536               # text_input limit on the direct path
     apply_chat_template: bool = True           # what a text_input request without that input
     #                                            gets (false: callers that template themselves)
+    tool_call_template: str = "auto"           # how the OpenAI server shows tools to the model:
+    #                                            "model" (its chat template renders `tools`),
+    #                                            "hermes" (<tools>/<tool_call> turns written in,
+    #                                            openai_api.tools), "auto": the model's if its
+    #                                            template mentions tools, else hermes
     max_stop_strings: int = 32                 # stop strings of one request
     max_stop_bytes: int = 4096                 # their total UTF-8 size
     model_call_timeout_s: float = 120.0        # a target/drafter call slower than this means a
@@ -146,6 +152,9 @@ class ServingSettings:
         if self.target_activations not in TARGET_ACTIVATIONS:
             raise ValueError(f"target_activations must be one of {TARGET_ACTIVATIONS}, "
                              f"got {self.target_activations!r}")
+        if self.tool_call_template not in TOOL_CALL_TEMPLATES:
+            raise ValueError(f"tool_call_template must be one of {TOOL_CALL_TEMPLATES}, "
+                             f"got {self.tool_call_template!r}")
         check_draft_limits(self)
 
     @classmethod

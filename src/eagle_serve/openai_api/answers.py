@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+from eagle_serve.openai_api import tools
 from eagle_serve.openai_api.protocol import Chunk, Counters
 from eagle_serve.requests import TokenLogprob
 
@@ -73,13 +74,43 @@ class Answer:
         key = "delta" if stream else "message"
         return {"index": index, key: body, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def whole(self, choices: list[Choice], with_logprobs: bool) -> dict:
+    def whole(self, choices: list[Choice], with_logprobs: bool, tool_mode=None) -> dict:
+        """tool_mode: how tools were offered (openai_api.tools.choice_mode; None: not)."""
         out = []
         for c in choices:
             reason = FINISH_REASONS.get(c.last.finish_reason, "stop")
             lp = self.logprobs(c.echo_logprobs + c.logprobs) if with_logprobs else None
-            out.append(self._choice(c.index, c.echo + c.text, reason, False, lp))
+            body = self._choice(c.index, c.echo + c.text, reason, False, lp)
+            if tool_mode is not None:
+                content, calls = tools.parse(c.text, tool_mode)
+                if calls:
+                    body["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    body["finish_reason"] = "tool_calls"
+            out.append(body)
         return {**self._envelope(False), "choices": out, "usage": usage(choices)}
+
+    def tool_chunks(self, choice: Choice, tool_mode, include_usage: bool) -> list[dict]:
+        """A streamed choice offered tools, sent once whole: its content, or each call's name
+        then its arguments in fragments, then the finish reason."""
+        content, calls = tools.parse(choice.text, tool_mode)
+        extra = {"usage": None} if include_usage else {}
+        if not calls:
+            reason = choice.last.finish_reason
+            return [self.chunk(choice.index, content or "", include_usage=include_usage),
+                    self.chunk(choice.index, None, reason, include_usage=include_usage)]
+        out = []
+        for i, c in enumerate(calls):
+            head = {"index": i, "id": c["id"], "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": ""}}
+            out.append(self._delta(choice.index, {"tool_calls": [head]}, None, extra))
+            out += [self._delta(choice.index, {"tool_calls": [{"index": i, "function": {"arguments": piece}}]},
+                                None, extra) for piece in tools.argument_fragments(c["function"]["arguments"])]
+        out.append(self._delta(choice.index, {}, "tool_calls", extra))
+        return out
+
+    def _delta(self, index: int, delta: dict, finish_reason: str | None, extra: dict) -> dict:
+        return {**self._envelope(True), "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                     "finish_reason": finish_reason}], **extra}
 
     def chunk(self, index: int, text: str | None, finish_reason: str = "", role: bool = False,
               include_usage: bool = False, logprobs: dict | None = None) -> dict:

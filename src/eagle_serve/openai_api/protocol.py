@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eagle_serve.openai_api.tools import Tool, ToolChoice, choice_mode
+from eagle_serve.openai_api.tools import guide as guide_for_tools
 from eagle_serve.requests import (MAX_BAD_WORDS, MAX_CACHE_SALT_BYTES, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS,
                                   MAX_TOP_LOGPROBS, TO_THE_END, TokenLogprob, acceptance_length)
 
@@ -21,7 +23,7 @@ from eagle_serve.requests import (MAX_BAD_WORDS, MAX_CACHE_SALT_BYTES, MAX_LOGIT
 # (logprobs false, skip_special_tokens true, ...: docs/deploy.md).
 UNSUPPORTED = {
     "prompt_logprobs": (0,), "allowed_token_ids": ([],),
-    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+    "functions": ([],),
     "echo": (False,), "suffix": ("",), "prediction": (), "audio": (),
     "modalities": (["text"],), "reasoning_effort": (), "logits_processors": (), "prompt_embeds": (),
     "return_hidden_states": (False,), "continue_final_message": (False,), "no_stop_trim": (False,),
@@ -201,20 +203,54 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: dict[str, str]
 
-    def as_template_dict(self) -> dict[str, str]:
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None    # an assistant's calls
+    tool_call_id: str | None = None             # a tool's result: of which call
+
+    @model_validator(mode="after")
+    def has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        return self
+
+    def as_template_dict(self) -> dict:
         """`developer` is OpenAI's newer name for `system`; text parts are joined."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        content = self.content if isinstance(self.content, str) or self.content is None else "".join(
+            p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
+
+    def tool_mode(self):
+        """None (no tools in play), "auto", "required", or the named function (openai_api.tools)."""
+        return choice_mode(self.tools, self.tool_choice)
+
+    def guides(self) -> dict[str, tuple[str, str]]:
+        guides = super().guides()
+        tool_guide = guide_for_tools(self.tool_mode(), self.tools or [], self.parallel_tool_calls is not False)
+        if tool_guide is not None:
+            guides["tool_choice"] = tool_guide
+        return guides
 
     @property
     def top_logprobs_count(self) -> int | None:

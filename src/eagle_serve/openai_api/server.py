@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from eagle_serve import paths
 from eagle_serve.openai_api.backend import SpecDecodeClient
+from eagle_serve.openai_api.tools import hermes_messages
 from eagle_serve.openai_api.answers import Answer, Choice
 from eagle_serve.openai_api.protocol import (MAX_TEXT_CHARS, ChatCompletionRequest, Chunk,
                                              CompletionRequest, DetokenizeRequest, GenerateParams,
@@ -107,9 +108,19 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
             raise OpenAIError(503, f"Triton's metrics endpoint is not reachable: {error}") from None
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    tool_template = read_settings(Path(config.model_repository)).tool_call_template
+    model_renders_tools = tool_template == "model" or (
+        tool_template == "auto" and "tools" in (getattr(tokenizer, "chat_template", None) or ""))
+
     def chat_prompt(body: ChatCompletionRequest) -> str:
+        messages = [m.as_template_dict() for m in body.messages]
+        offered = body.tools if body.tool_mode() is not None else None
         try:
-            return render_chat(tokenizer, [m.as_template_dict() for m in body.messages])
+            if model_renders_tools:
+                specs = [t.model_dump(exclude_none=True) for t in offered] if offered else None
+                return tokenizer.apply_chat_template(messages, tools=specs, add_generation_prompt=True,
+                                                     tokenize=False)
+            return render_chat(tokenizer, hermes_messages(messages, offered))
         except Exception as error:  # the template refused the conversation (e.g. role order)
             raise OpenAIError(400, f"the chat template refused the messages: {error}", "messages") from None
 
@@ -117,7 +128,8 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model, model_id)
         body.check_supported()
-        return await respond(backend, answer("chat"), jobs_of(body, [chat_prompt(body)]), body, request)
+        return await respond(backend, answer("chat"), jobs_of(body, [chat_prompt(body)]), body, request,
+                             tool_mode=body.tool_mode())
 
     # vLLM's render endpoints: the prompt ids a request would run on, without running it. A
     # cache-aware router (vllm-router) asks for them to route requests by their token prefix.
@@ -237,7 +249,7 @@ def jobs_of(body: SamplingRequest, prompts: list[str | list[int]], echoes: list[
 
 
 async def respond(backend: SpecDecodeClient, answer: Answer, jobs: list[Job], body: SamplingRequest,
-                  request: Request, tokenizer=None):
+                  request: Request, tokenizer=None, tool_mode=None):
     """Whole answer, or an SSE stream once every choice's first response came back without
     error. The choices run as requests of their own, side by side."""
     streams = [backend.generate(j.prompt, j.params, body.stream, request_id=f"{answer.id}-{j.choice.index}",
@@ -252,7 +264,7 @@ async def respond(backend: SpecDecodeClient, answer: Answer, jobs: list[Job], bo
         for job, chunks in zip(jobs, got):
             for chunk in chunks:
                 job.choice.add(chunk)
-        return answer.whole([j.choice for j in jobs], with_logprobs)
+        return answer.whole([j.choice for j in jobs], with_logprobs, tool_mode)
     try:
         firsts = await until_disconnect(request, asyncio.gather(*(anext(s, None) for s in streams)))
     except BaseException:
@@ -261,7 +273,7 @@ async def respond(backend: SpecDecodeClient, answer: Answer, jobs: list[Job], bo
         raise
     if any(f is None for f in firsts):
         raise OpenAIError(500, "the inference server ended the request without an answer")
-    return StreamingResponse(sse(answer, jobs, firsts, streams, body.include_usage, with_logprobs),
+    return StreamingResponse(sse(answer, jobs, firsts, streams, body.include_usage, with_logprobs, tool_mode),
                              media_type="text/event-stream")
 
 
@@ -324,7 +336,7 @@ async def merged(firsts: list[Chunk], streams: list[AsyncIterator[Chunk]]) -> As
 
 
 async def sse(answer: Answer, jobs: list[Job], firsts: list[Chunk], streams: list[AsyncIterator[Chunk]],
-              include_usage: bool, with_logprobs: bool) -> AsyncIterator[str]:
+              include_usage: bool, with_logprobs: bool, tool_mode=None) -> AsyncIterator[str]:
     """OpenAI's stream: (chat) a role chunk per choice, content chunks, one with finish_reason
     per choice, the usage chunk when asked, then [DONE]; an error after the first tokens is an
     `error` event. Starlette cancels this generator when the client disconnects; closing the
@@ -346,6 +358,11 @@ async def sse(answer: Answer, jobs: list[Job], firsts: list[Chunk], streams: lis
                 choice = jobs[i].choice
                 offset = len(choice.echo) + len(choice.text)
                 choice.add(chunk)
+                if tool_mode is not None:  # a tool call is known once the answer is whole
+                    if chunk.finish_reason:
+                        for body in answer.tool_chunks(choice, tool_mode, include_usage):
+                            yield event(body)
+                    continue
                 if chunk.text or chunk.logprobs:
                     lp = answer.logprobs(chunk.logprobs, offset) if with_logprobs else None
                     yield event(answer.chunk(choice.index, chunk.text, include_usage=include_usage, logprobs=lp))
