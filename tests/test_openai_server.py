@@ -228,7 +228,7 @@ def test_bad_requests_get_openai_format_errors_and_the_next_request_works(api):
     cases = [(dict(n=20), "n"), (dict(max_tokens=-5), "max_tokens"), (dict(messages=[]), "messages"),
              (dict(top_p=1.5), "top_p"), (dict(extra_body={"echo": True}), "echo"),
              (dict(extra_body={"num_speculative_tokens": 99}), "num_speculative_tokens"),
-             (dict(messages=[{"role": "tool", "content": "x"}]), "messages")]
+             (dict(messages=[{"role": "robot", "content": "x"}]), "messages")]
     for kw, param in cases:
         args = {"model": "tiny-llama", "messages": user("Hi"), "max_tokens": 8, **kw}
         status, error = error_of(lambda: client.chat.completions.create(**args))
