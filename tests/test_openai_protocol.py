@@ -127,6 +127,7 @@ def test_structured_output_fields_become_one_guide():
     assert chat_request(guided_choice=["a", "b"]).params().guided_decoding_guide == '["a", "b"]'
     assert chat_request(structured_outputs={"grammar": "root ::= \"a\""}).params().guided_decoding_guide_type == "ebnf_grammar"
     assert chat_request(response_format={"type": "text"}).params().guided_decoding_guide_type is None
+    assert chat_request(guided_grammar='start: "a"').params().guided_decoding_guide_type == "lark"
     with pytest.raises(OpenAIError, match="set one structured-output guide"):
         chat_request(guided_regex="a", response_format={"type": "json_object"}).params()
 

@@ -1,5 +1,5 @@
-"""Structured output: a request's guide (a JSON schema, any JSON, a regex, a choice of strings or
-an EBNF grammar) compiled against the target's tokenizer, and the matcher that follows the
+"""Structured output: a request's guide (a JSON schema, any JSON, a regex, a choice of strings,
+an EBNF or a Lark grammar) compiled against the target's tokenizer, and the matcher that follows the
 request's output.
 
 xgrammar (vLLM's and SGLang's default backend) rather than llguidance: its matcher rolls back
@@ -23,7 +23,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-GUIDE_TYPES = ("json_schema", "json", "regex", "choice", "ebnf_grammar")  # TensorRT-LLM's + choice
+GUIDE_TYPES = ("json_schema", "json", "regex", "choice", "ebnf_grammar", "lark")  # TensorRT-LLM's + 2
+# JSON-schema keywords and regex constructs xgrammar would ignore (it warns and goes on): refused,
+# since the output could break them
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired",
+                       "uniqueItems", "contains", "minContains", "maxContains", "propertyNames",
+                       "unevaluatedProperties", "unevaluatedItems")
+UNENFORCED_REGEX = ("(?=", "(?!", "(?<=", "(?<!", "\\1", "\\2")
 MAX_GUIDE_BYTES = 64 * 1024
 MAX_CHOICES = 256
 COMPILE_TIMEOUT_S = 10.0
@@ -46,8 +52,36 @@ def check_guide(guide: tuple[str, str]) -> None:
             raise ValueError(f"a choice guide is a JSON list of 1 to {MAX_CHOICES} non-empty strings")
         if kind == "json_schema" and not isinstance(value, (dict, bool)):
             raise ValueError("a JSON schema is an object")
-    elif kind in ("regex", "ebnf_grammar") and not text:
+        if kind == "json_schema":
+            _check_schema(value)
+    elif kind in ("regex", "ebnf_grammar", "lark") and not text:
         raise ValueError(f"the {kind} guide is empty")
+    if kind == "regex":
+        _check_pattern(text)
+
+
+def _check_schema(node) -> None:
+    """Every keyword the grammar enforces (ValueError naming one it would ignore)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in UNENFORCED_KEYWORDS:
+                raise ValueError(f"the JSON schema keyword {key!r} is not supported")
+            if key == "pattern" and isinstance(value, str):
+                _check_pattern(value)
+            if key not in ("properties", "$defs", "definitions", "patternProperties") or not isinstance(value, dict):
+                _check_schema(value)
+            else:
+                for sub in value.values():
+                    _check_schema(sub)
+    elif isinstance(node, list):
+        for item in node:
+            _check_schema(item)
+
+
+def _check_pattern(pattern: str) -> None:
+    bad = next((c for c in UNENFORCED_REGEX if c in pattern), None)
+    if bad is not None:
+        raise ValueError(f"regex construct {bad!r} (lookaround or backreference) is not supported")
 
 
 class Guides:
@@ -80,6 +114,8 @@ class Guides:
                 return c.compile_regex(text)
             if kind == "choice":
                 return c.compile_regex("|".join(_regex_escape(s) for s in json.loads(text)))
+            if kind == "lark":
+                return c.compile_lark(text)
             return c.compile_grammar(text)
         except Exception as error:  # noqa: BLE001: xgrammar's own errors, for the client
             raise ValueError(f"the {kind} guide does not compile: {error}") from None

@@ -21,7 +21,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 GUIDES = {"json_schema": ("json_schema", json.dumps(SCHEMA)), "json": ("json", ""),
           "regex": ("regex", r"(yes|no), [a-z]{2,5}[0-9]+"), "choice": ("choice", json.dumps(["red", "green", "blue"])),
-          "ebnf_grammar": ("ebnf_grammar", 'root ::= "(" [a-c]+ ")" | "<" [0-9]* ">"')}
+          "ebnf_grammar": ("ebnf_grammar", 'root ::= "(" [a-c]+ ")" | "<" [0-9]* ">"'),
+          "lark": ("lark", 'start: "(" LETTERS ")" | "<" DIGIT* ">"\nLETTERS: /[a-c]+/\n%import common.DIGIT')}
 
 
 def greedy(k=0, guide=None, **kw):
@@ -137,7 +138,11 @@ def test_drafts_the_grammar_refuses_are_pruned_before_verification(tiny_target, 
     (("xml", "<a/>"), "guided_decoding_guide_type must be one of"),
     (("json_schema", "{not json"), "not valid JSON"),
     (("choice", "[]"), "a JSON list of 1 to"),
-    (("json_schema", "x" * 70000), "at most 65536 bytes")])
+    (("json_schema", "x" * 70000), "at most 65536 bytes"),
+    (("json_schema", json.dumps({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})),
+     "keyword 'not' is not supported"),
+    (("json_schema", json.dumps({"type": "string", "pattern": "^(?=a)b$"})), "lookaround or backreference"),
+    (("regex", r"(a)\1"), "lookaround or backreference")])
 def test_bad_guides_are_refused_at_once(tiny_target, guide, message):
     with pytest.raises(ValueError, match=message):
         tiny_engine(tiny_target).add_request([5, 6, 7], greedy(guide=guide))
@@ -185,3 +190,34 @@ def test_sampled_constrained_output_follows_the_masked_law(tiny_target):
     stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
                  + (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(expected[~keep].sum(), 1e-9))
     assert chi2.sf(stat, int(keep.sum())) > 1e-6
+
+
+@pytest.fixture(scope="module")
+def guided_engine(tiny_target, eagle1_head):
+    return tiny_engine(tiny_target, eagle1_head, max_running=4)
+
+
+def regexes():
+    from hypothesis import strategies as st
+    atom = st.sampled_from(["[a-c]", "[0-9]", "(yes|no)", "x", " ", "[{}:,]", '"[a-z]*"'])
+    piece = st.tuples(atom, st.sampled_from(["", "?", "+", "*", "{1,3}"])).map("".join)
+    return st.lists(piece, min_size=1, max_size=5).map("".join)
+
+
+def test_no_output_ever_leaves_its_grammar(guided_engine, prompts):
+    """Property: whatever the regex, temperature, seed and draft shape, every output token is
+    one the grammar allows, and an output that stopped is one the grammar completes."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(regex=regexes(), temperature=st.sampled_from([0.0, 0.8, 2.0]), seed=st.integers(0, 2 ** 31),
+           shape=st.sampled_from([dict(num_speculative_tokens=0), dict(num_speculative_tokens=3),
+                                  dict(num_speculative_tokens=6, draft_topk=2, draft_depth=3)]))
+    def check(regex, temperature, seed, shape):
+        guide = ("regex", regex)
+        params = SamplingParams(max_tokens=12, temperature=temperature, seed=seed, guide=guide,
+                                **(shape if temperature == 0 else {"num_speculative_tokens": shape["num_speculative_tokens"]}))
+        for r in guided_engine.generate(prompts[:3], params):
+            assert_in_grammar(guided_engine, guide, r.token_ids, r.finish_reason)
+    check()

@@ -182,6 +182,8 @@ class SamplingRequest(BaseModel):
                                   ("structured_outputs", so.grammar, "ebnf_grammar")):
             if value is not None:
                 text = value if isinstance(value, str) and kind != "choice" else json.dumps(value)
+                if kind == "ebnf_grammar" and "::=" not in text:  # vLLM takes Lark grammars there too
+                    kind = "lark"
                 guides.setdefault(name, (kind, text))
                 if guides[name] != (kind, text):
                     raise OpenAIError(400, f"{name} sets more than one guide", name)
