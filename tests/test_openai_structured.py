@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import openai
 import pytest
-import tritonclient.grpc as grpcclient
 
 from test_openai_server import api, chat, tiny, tokenizer, user  # noqa: F401 (fixtures)
 
@@ -59,24 +57,11 @@ def test_bad_guides_get_a_400_naming_the_problem_and_the_next_request_works(api,
 
 
 def test_tritonclient_users_send_tensorrt_llms_guide_inputs_to_the_ensemble(tiny):
+    from eagle_serve.client import grpc_generate
+
     def run(k: int) -> str:
-        inputs = []
-        for name, array, dtype in (("text_input", np.array([[b"Pick one"]], dtype=np.object_), "BYTES"),
-                                   ("max_tokens", np.array([[8]], np.int32), "INT32"),
-                                   ("num_speculative_tokens", np.array([[k]], np.int32), "INT32"),
-                                   ("guided_decoding_guide_type", np.array([[b"choice"]], dtype=np.object_), "BYTES"),
-                                   ("guided_decoding_guide", np.array([[b'["alpha", "beta"]']], dtype=np.object_), "BYTES")):
-            t = grpcclient.InferInput(name, list(array.shape), dtype)
-            t.set_data_from_numpy(array)
-            inputs.append(t)
-        with grpcclient.InferenceServerClient(tiny.grpc_url) as client:
-            got = []
-            client.start_stream(callback=lambda result, error: got.append((result, error)))
-            client.async_stream_infer("ensemble", inputs, enable_empty_final_response=False)
-            client.stop_stream()
-        (result, error), = [g for g in got if g[0] is not None or g[1] is not None]
-        assert error is None
-        return result.as_numpy("text_output").reshape(-1)[0].decode()
+        return grpc_generate(tiny.grpc_url, "Pick one", max_tokens=8, num_speculative_tokens=k,
+                             guided_decoding_guide_type="choice", guided_decoding_guide='["alpha", "beta"]').text
     assert run(3) == run(0) and run(3) in ("alpha", "beta")
 
 
