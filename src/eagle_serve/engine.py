@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from concurrent import futures
 import random
 import threading
 import time
 import uuid
 from collections import deque
+from concurrent import futures
 from dataclasses import replace
 
 import torch
@@ -263,23 +263,23 @@ class Engine:
                 (self._compiling if item.grammar_future is not None else self.waiting).append(item)
                 continue
             req = self.scheduler.find(item) or next((r for r in self._compiling if r.id == item), None)
+            if req is None:
+                continue
             if req in self._compiling:
                 self._compiling.remove(req)
-                req.finish_reason = "cancelled"
-                outputs.append(req.take_output(force=True))
-            elif req is not None:
-                req.finish_reason = "cancelled"
+            else:
                 self.scheduler.retire(req)
-                outputs.append(req.take_output(force=True))
+            req.finish_reason = "cancelled"
+            outputs.append(req.take_output(force=True))
         return outputs
 
     def _compiled(self) -> list[RequestOutput]:
-        """Queue the requests whose grammar compiled (in arrival order); fail those whose guide
+        """Queue the requests whose grammar compiled (in arrival order: Scheduler.enqueue); fail those whose guide
         did not compile, or compiles too slowly. With nothing else to do, wait a little for one."""
         if self._compiling and not (self.running or self.waiting):
             futures.wait([r.grammar_future for r in self._compiling], timeout=0.01,
                          return_when=futures.FIRST_COMPLETED)
-        outputs, now, promoted = [], time.monotonic(), False
+        outputs, now = [], time.monotonic()
         for req in list(self._compiling):
             future = req.grammar_future
             if not future.done() and now - req.arrived_at < COMPILE_TIMEOUT_S:
@@ -293,10 +293,7 @@ class Engine:
                 outputs.append(req.take_output())
                 continue
             req.grammar = self.guides().matcher(future.result())
-            self.waiting.append(req)
-            promoted = True
-        if promoted:  # in arrival order with the others
-            self.scheduler.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
+            self.scheduler.enqueue(req)
         return outputs
 
     def fail_all(self) -> list[str]:

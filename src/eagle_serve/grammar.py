@@ -18,7 +18,6 @@ the grammar forces join the draft tree as one more source (lookup.GRAMMAR).
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -134,7 +133,6 @@ class GrammarState:
 
     def __init__(self, matcher, words: int):
         self.m, self.words = matcher, words
-        self._lock = threading.Lock()
 
     def accept(self, token: int) -> bool:
         """A token the target produced under the mask (one the grammar refuses here is a bug:
@@ -173,7 +171,7 @@ class GrammarState:
 
     def prune(self, drafts: list[int], parents: list[int], keys: list) -> tuple[list[int], list[int], list]:
         """The draft tree without the nodes the grammar refuses (and their subtrees)."""
-        keep, new_index = [], {}
+        keep: list[int] = []
         children: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
             children.setdefault(p, []).append(i)

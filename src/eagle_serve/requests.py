@@ -66,6 +66,8 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] | None  # (token id, logprob), most likely first (None: no
     #                                      logprob, the first prompt token of an echo)
+
+
 TO_THE_END = -1  # max_tokens: as many as the context holds (vLLM's unset max_tokens, llama.cpp's -1)
 
 

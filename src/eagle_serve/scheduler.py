@@ -117,9 +117,14 @@ class Scheduler:
         self.release(req)
         req.num_computed = req.draft_computed = 0
         self.running.remove(req)
-        self.waiting.appendleft(req)
-        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
+        self.enqueue(req)
         self.stats.preemptions += 1
+
+    def enqueue(self, req: Request) -> None:
+        """Back into the waiting queue at its place by arrival (a preempted request, or one
+        whose grammar compiled while later ones were queued)."""
+        self.waiting.append(req)
+        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
 
     def preempt_all(self) -> None:
         for req in list(reversed(self.running)):
