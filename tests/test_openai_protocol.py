@@ -133,7 +133,8 @@ def test_structured_output_fields_become_one_guide():
 
 
 def test_hermes_tool_calls_are_parsed_out_of_an_answer():
-    from eagle_serve.openai_api.tools import FunctionDef, parse
+    from eagle_serve.openai_api.tool_parser import parse
+    from eagle_serve.openai_api.tools import FunctionDef
     text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     content, calls = parse(text, "auto")
     assert content == "Let me look." and calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}

@@ -7,11 +7,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from eagle_serve.openai_api import tools
 from eagle_serve.openai_api.protocol import Chunk, Counters
+from eagle_serve.openai_api.tool_parser import ToolCallParser, ToolDelta
 from eagle_serve.requests import TokenLogprob
 
-FINISH_REASONS = {"stop": "stop", "length": "length"}  # spec_decode -> OpenAI
+FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}  # spec_decode -> OpenAI
 FLOOR = -9999.0  # a logprob of -inf (a banned token) in JSON, as vLLM writes it
 
 
@@ -82,30 +82,28 @@ class Answer:
             lp = self.logprobs(c.echo_logprobs + c.logprobs) if with_logprobs else None
             body = self._choice(c.index, c.echo + c.text, reason, False, lp)
             if tool_mode is not None:
-                content, calls = tools.parse(c.text, tool_mode)
-                if calls:
-                    body["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                    body["finish_reason"] = "tool_calls"
+                parser = ToolCallParser(tool_mode)
+                parser.feed(c.text)
+                parser.finish()
+                if parser.calls:
+                    body["message"] = {"role": "assistant", "content": parser.content or None,
+                                       "tool_calls": parser.calls}
+                    body["finish_reason"] = FINISH_REASONS.get(parser.finish_reason(c.last.finish_reason), "tool_calls")
             out.append(body)
         return {**self._envelope(False), "choices": out, "usage": usage(choices)}
 
-    def tool_chunks(self, choice: Choice, tool_mode, include_usage: bool) -> list[dict]:
-        """A streamed choice offered tools, sent once whole: its content, or each call's name
-        then its arguments in fragments, then the finish reason."""
-        content, calls = tools.parse(choice.text, tool_mode)
+    def tool_events(self, index: int, deltas: list[ToolDelta], include_usage: bool) -> list[dict]:
+        """A streamed choice offered tools: its content, each call's name, its arguments' fragments."""
         extra = {"usage": None} if include_usage else {}
-        if not calls:
-            reason = choice.last.finish_reason
-            return [self.chunk(choice.index, content or "", include_usage=include_usage),
-                    self.chunk(choice.index, None, reason, include_usage=include_usage)]
         out = []
-        for i, c in enumerate(calls):
-            head = {"index": i, "id": c["id"], "type": "function",
-                    "function": {"name": c["function"]["name"], "arguments": ""}}
-            out.append(self._delta(choice.index, {"tool_calls": [head]}, None, extra))
-            out += [self._delta(choice.index, {"tool_calls": [{"index": i, "function": {"arguments": piece}}]},
-                                None, extra) for piece in tools.argument_fragments(c["function"]["arguments"])]
-        out.append(self._delta(choice.index, {}, "tool_calls", extra))
+        for d in deltas:
+            if d.content:
+                out.append(self.chunk(index, d.content, include_usage=include_usage))
+            elif d.call is not None:
+                out.append(self._delta(index, {"tool_calls": [d.call]}, None, extra))
+            else:
+                out.append(self._delta(index, {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments}}]},
+                                       None, extra))
         return out
 
     def _delta(self, index: int, delta: dict, finish_reason: str | None, extra: dict) -> dict:

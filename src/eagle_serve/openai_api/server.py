@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from eagle_serve import paths
 from eagle_serve.openai_api.backend import SpecDecodeClient
+from eagle_serve.openai_api.tool_parser import ToolCallParser
 from eagle_serve.openai_api.tools import hermes_messages
 from eagle_serve.openai_api.answers import Answer, Choice
 from eagle_serve.openai_api.protocol import (MAX_TEXT_CHARS, ChatCompletionRequest, Chunk,
@@ -353,15 +354,20 @@ async def sse(answer: Answer, jobs: list[Job], firsts: list[Chunk], streams: lis
                 choice.add(replace(first, text="", logprobs=[]))  # the prompt's logprobs
                 lp = answer.logprobs(choice.echo_logprobs) if with_logprobs else None
                 yield event(answer.chunk(choice.index, choice.echo, include_usage=include_usage, logprobs=lp))
+        parsers = [ToolCallParser(tool_mode) for _ in jobs] if tool_mode is not None else None
         try:
             async for i, chunk in merged(firsts, streams):
                 choice = jobs[i].choice
                 offset = len(choice.echo) + len(choice.text)
                 choice.add(chunk)
-                if tool_mode is not None:  # a tool call is known once the answer is whole
+                if parsers is not None:  # content, then each call's name and argument fragments
+                    p = parsers[i]
+                    deltas = p.feed(chunk.text) + (p.finish() if chunk.finish_reason else [])
+                    for body in answer.tool_events(choice.index, deltas, include_usage):
+                        yield event(body)
                     if chunk.finish_reason:
-                        for body in answer.tool_chunks(choice, tool_mode, include_usage):
-                            yield event(body)
+                        reason = p.finish_reason(chunk.finish_reason)
+                        yield event(answer.chunk(choice.index, None, reason, include_usage=include_usage))
                     continue
                 if chunk.text or chunk.logprobs:
                     lp = answer.logprobs(chunk.logprobs, offset) if with_logprobs else None

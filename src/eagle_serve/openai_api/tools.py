@@ -10,19 +10,17 @@ call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, a result in a 
     and becomes that call's arguments;
   - "required": the output is constrained to a JSON list of calls [{"name", "parameters"}]
     (vLLM's form), one at least (one only with parallel_tool_calls false);
-  - "auto" (the default with tools): free text, parsed for <tool_call> blocks afterwards.
+  - "auto" (the default with tools): free text, read for <tool_call> blocks as it is written.
+An answer's calls are read out of it by openai_api.tool_parser.
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 MAX_TOOLS = 64
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TEMPLATES = ("auto", "model", "hermes")
 
 
@@ -114,37 +112,3 @@ def _loads(arguments: str) -> Any:
         return json.loads(arguments)
     except (TypeError, json.JSONDecodeError):
         return arguments
-
-
-def call(name: str, arguments: Any) -> dict:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": text}}
-
-
-def parse(text: str, mode: str | FunctionDef) -> tuple[str | None, list[dict]]:
-    """An answer's text -> (content, tool calls), as the tool choice shaped it."""
-    if isinstance(mode, FunctionDef):
-        return None, [call(mode.name, text)]
-    if mode == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:  # cut by max_tokens: no call to give
-            return text, []
-        return None, [call(c["name"], c["parameters"]) for c in calls]
-    calls = []
-    for block in TOOL_CALL.findall(text):
-        try:
-            value = json.loads(block)
-            calls.append(call(value["name"], value.get("arguments", {})))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # not a call: left in the content
-    if not calls:
-        return text, []
-    content = text[:text.find("<tool_call>")].strip()
-    return content or None, calls
-
-
-def argument_fragments(arguments: str, size: int = 16) -> list[str]:
-    """A call's arguments in pieces, as a stream sends them after the call's name."""
-    return [arguments[i:i + size] for i in range(0, len(arguments), size)] or [""]
