@@ -74,13 +74,25 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
 
 
 def _guided(req, drafts: list[int], parents: list[int], keys: list, left: int, most: int):
-    """A guided request's tree: the tokens its grammar forces next joined as a branch from the
-    root (at most `most`, and no more than the output has room for), then, for requests whose
-    drafts are matched (not drawn from q), every node the grammar refuses pruned."""
-    forced = req.grammar.forced()[:max(0, min(most, left))]
-    if forced:
-        branch_keys = [LookupKey(req.rule, GRAMMAR, 0, min(i + 1, MAX_PLACE)) for i in range(len(forced))]
-        merge_branch(drafts, parents, keys, Branch(forced, GRAMMAR, branch_keys), len(forced))
+    """A guided request's tree: the ways to write the text its grammar forces next (at most
+    `most` nodes, none deeper than the output has room for) joined from the root, then, for
+    requests whose drafts are matched (not drawn from q), every node the grammar refuses pruned."""
+    tokens, tree = req.grammar.forced_tree(most) if left > 0 else ([], [])
+    at: list[int | None] = []  # each forced node's index in the draft tree (None: left out)
+    depth: list[int] = []
+    for token, parent in zip(tokens, tree):
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+        under = -1 if parent < 0 else at[parent]
+        if under is None or depth[-1] > left:
+            at.append(None)
+            continue
+        child = next((i for i, (t, p) in enumerate(zip(drafts, parents)) if p == under and t == token), None)
+        if child is None:  # (a node another source drafted is kept as it is)
+            drafts.append(token)
+            parents.append(under)
+            keys.append(LookupKey(req.rule, GRAMMAR, 0, min(depth[-1], MAX_PLACE)))
+            child = len(drafts) - 1
+        at.append(child)
     if req.matched and drafts:
         drafts, parents, keys = req.grammar.prune(drafts, parents, keys)
     return drafts, parents, keys

@@ -12,8 +12,9 @@ and their compile in time.
 A token mask applies at every verify row (the target's logits are -inf outside it,
 eagle_serve.processors), computed on the matcher advanced over the row's own path: the output
 is exactly plain constrained decoding's. Drafts the grammar rejects are pruned before
-verification (greedy and coupled requests: their drafts are not drawn from q), and the tokens
-the grammar forces join the draft tree as one more source (lookup.GRAMMAR).
+verification (greedy and coupled requests: their drafts are not drawn from q), and the text
+the grammar forces joins the draft tree as one more source (lookup.GRAMMAR), in each of its
+tokenizations near the root: the masked target picks its own.
 """
 from __future__ import annotations
 
@@ -93,6 +94,9 @@ class Guides:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        special = set(info.special_token_ids) | set(stop_token_ids)
+        self.token_of = {text: i for i, text in enumerate(info.decoded_vocab)
+                         if text and i not in special and i < vocab_size}
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words of a row's bitmask
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -120,7 +124,7 @@ class Guides:
             raise ValueError(f"the {kind} guide does not compile: {error}") from None
 
     def matcher(self, compiled) -> "GrammarState":
-        return GrammarState(self.xgr.GrammarMatcher(compiled), self.words)
+        return GrammarState(self.xgr.GrammarMatcher(compiled), self.words, self.token_of)
 
 
 def _regex_escape(text: str) -> str:
@@ -131,8 +135,10 @@ class GrammarState:
     """One request's matcher, advanced over its output; masks and drafts are worked out by
     advancing it along a path and rolling it back."""
 
-    def __init__(self, matcher, words: int):
+    def __init__(self, matcher, words: int, token_of: dict[bytes, int] | None = None):
         self.m, self.words = matcher, words
+        self.token_of = token_of or {}  # a token's text -> its id
+        self.longest = max(map(len, self.token_of), default=0)
 
     def accept(self, token: int) -> bool:
         """A token the target produced under the mask (one the grammar refuses here is a bug:
@@ -189,9 +195,30 @@ class GrammarState:
         return ([drafts[i] for i in keep], [new_index.get(parents[i], -1) for i in keep],
                 [keys[i] for i in keep])
 
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces next (none when it allows a choice)."""
-        return list(self.m.find_jump_forward_tokens())
+    def forced_tree(self, budget: int) -> tuple[list[int], list[int]]:
+        """The ways to write the text the grammar forces next, as a draft tree of at most
+        `budget` nodes, level by level (tokens, parents: -1 the root, else an earlier node). The
+        target picks its own tokenization of forced text (a masked model may spell a key it
+        does not know a few letters at a time), so every tokenization near the root is drafted,
+        the longest tokens first."""
+        text = self.m.find_jump_forward_string().encode("utf-8")
+        tokens: list[int] = []
+        parents: list[int] = []
+        level = [(-1, 0)]  # (node, bytes of the text it covers)
+        while level and len(tokens) < budget:
+            nxt = []
+            for node, at in level:
+                for end in range(min(len(text), at + self.longest), at, -1):
+                    token = self.token_of.get(text[at:end])
+                    if token is None:
+                        continue
+                    if len(tokens) == budget:
+                        return tokens, parents
+                    tokens.append(token)
+                    parents.append(node)
+                    nxt.append((len(tokens) - 1, end))
+            level = nxt
+        return tokens, parents
 
 
 def _copy_subtree(children: dict, node: int, out, row: int) -> None:

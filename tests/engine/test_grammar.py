@@ -192,6 +192,50 @@ def test_sampled_constrained_output_follows_the_masked_law(tiny_target):
     assert chi2.sf(stat, int(keep.sum())) > 1e-6
 
 
+def test_forced_text_is_drafted_in_every_tokenization_and_sampled_output_keeps_its_law(tiny_target, eagle1_head):
+    """Forced text is drafted as a tree of its tokenizations (siblings proposed with certainty),
+    since a masked target picks its own: rejection-sampled output still follows the masked
+    target's law over the tokenizations (two-sample chi-square against plain sampling, the
+    first three tokens), and speculative rounds are fewer than tokens."""
+    from scipy.stats import chi2_contingency
+    guide = ("choice", json.dumps(["supercalifragilistic", "antidisestablishment"]))
+    n, prompt = 200, [5, 9, 22]
+    engine = tiny_engine(tiny_target, eagle1_head, max_running=64, max_waiting=n, num_draft_slots=1024,
+                         sampled_verify="rejection")
+    tree = engine.guides().matcher(engine.guides().compile(guide).result())
+    assert tree.m.accept_token(engine.tokenizer.encode("s", add_special_tokens=False)[0])
+    tokens, parents = tree.forced_tree(8)
+    texts = [engine.tokenizer.decode([t]) for t in tokens]
+    for i, p in enumerate(parents):  # every path spells the start of the forced text
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, texts[node])
+            node = parents[node]
+        assert "s" + "".join(path) == "supercalifragilistic"[:1 + len("".join(path))]
+    assert sum(p == -1 for p in parents) > 1 and parents == sorted(parents)
+
+    def law(k: int) -> dict:
+        params = [SamplingParams(max_tokens=12, temperature=1.5, seed=i, num_speculative_tokens=k, guide=guide)
+                  for i in range(n)]
+        out = engine.generate([prompt] * n, params)
+        for r in out:
+            assert_in_grammar(engine, guide, r.token_ids, r.finish_reason)
+        counts: dict = {}
+        for r in out:
+            counts[tuple(r.token_ids[:3])] = counts.get(tuple(r.token_ids[:3]), 0) + 1
+        return counts, sum(r.last.num_rounds for r in out), sum(len(r.token_ids) for r in out)
+    plain, _, _ = law(0)
+    spec, rounds, emitted = law(4)
+    cells = sorted(set(plain) | set(spec), key=lambda c: -(plain.get(c, 0) + spec.get(c, 0)))
+    big = [c for c in cells if plain.get(c, 0) + spec.get(c, 0) >= 10]
+    rest = [c for c in cells if c not in big]
+    table = [[d.get(c, 0) for c in big] + [sum(d.get(c, 0) for c in rest)] for d in (plain, spec)]
+    if not rest:
+        table = [row[:-1] for row in table]
+    assert chi2_contingency(table).pvalue > 1e-6
+    assert engine.stats.accepted_tokens_by_source[GRAMMAR] > 0 and rounds < emitted
+
+
 @pytest.fixture(scope="module")
 def guided_engine(tiny_target, eagle1_head):
     return tiny_engine(tiny_target, eagle1_head, max_running=4)
