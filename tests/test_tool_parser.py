@@ -20,6 +20,10 @@ ANSWERS = [
     ('[{"name": "a", "parameters": {"x": "cut', "required"),
     ('[{"na', "required"),
     ('{"city": "Oslo", "n": -1.5e3}', FunctionDef(name="weather")),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "t", "parameters": {}}', "auto"),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "auto"),
+    ('{"answer": "a JSON answer, no call"}', "auto"),
+    ("Hi", "auto"),
 ]
 
 
@@ -91,3 +95,13 @@ def test_a_call_cut_by_max_tokens_finishes_with_length_and_a_whole_one_with_tool
     plain.finish()
     assert plain.finish_reason("length") == "length"
     assert parse('[{"na', "required") == ('[{"na', [])
+
+
+def test_an_answer_opening_with_a_bare_call_is_read_as_calls_as_models_own_templates_write_them():
+    content, calls = parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                           '{"name": "t", "parameters": {}}', "auto")
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Oslo"}'), ("t", "{}")]
+    _, mistral = parse('[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]', "auto")
+    assert mistral[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert parse('{"answer": "no call"}', "auto") == ('{"answer": "no call"}', [])

@@ -8,7 +8,9 @@ What the tool choice makes the model write (openai_api.tools):
   - "auto": free text, a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     (Hermes). The content is the text before the first call (without the whitespace before
     the tag); text after a call is dropped; a block that is no call is content while no call
-    came before it.
+    came before it. An answer that opens with a bare call, as models whose own templates
+    render tools write them (Llama 3's {"name": ..., "parameters": ...} calls, after
+    <|python_tag|> or not; Mistral's [TOOL_CALLS][...]), is read as a list of calls.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"{key}"\s*:\s*'
 HERMES_HEAD = re.compile(r"\s*" + _NAME.replace("{key}", "arguments"))
-REQUIRED_HEAD = re.compile(_NAME.replace("{key}", "parameters"))
+LIST_HEAD = re.compile(_NAME.replace("{key}", "(?:parameters|arguments)"))
+BARE_CALLS = re.compile(r'\s*(?:<\|python_tag\|>|\[TOOL_CALLS\])?\s*\[?\s*\{\s*"name"\s*:')
+DECIDE = 32  # characters read before an answer that could open with a bare call is decided
 
 
 @dataclass
@@ -79,7 +83,8 @@ class ToolCallParser:
         self._buf, self._held, self._raw = "", "", ""  # unread text; whitespace held back; a block read so far
         self._value: _ValueEnd | None = None
         self._cut = False  # the last call's arguments had not ended when the answer did
-        self._state = "content" if mode == "auto" else "between" if mode == "required" else "named"
+        self._hermes = False  # inside <tool_call> blocks (not a list of calls)
+        self._state = "start" if mode == "auto" else "between" if mode == "required" else "named"
 
     def feed(self, text: str) -> list[ToolDelta]:
         self._buf += text
@@ -93,11 +98,15 @@ class ToolCallParser:
         """The answer is whole: what was held back, or a block that was no call, as content."""
         out: list[ToolDelta] = []
         self._cut = self._state == "args"
+        if self._state == "start":
+            self._state = "between" if BARE_CALLS.match(self._buf) else "content"
+            while self._step(out):
+                pass
         if self._state == "content":
             self._content(out, self._buf, final=True)
         elif self._state == "head":
             self._block(out, self._buf, closed=False)
-        elif self.mode == "required" and not self.calls:  # cut before its first call: the text
+        elif self._state == "between" and not self.calls:  # cut before its first call: the text
             self._content(out, self._text, final=True)
         self._buf, self._state = "", "done"
         return out
@@ -109,6 +118,14 @@ class ToolCallParser:
     def _step(self, out: list[ToolDelta]) -> bool:
         """Read what the unread text allows; -> whether to read on."""
         buf = self._buf
+        if self._state == "start":  # a bare call, or text (Hermes calls inside)?
+            if BARE_CALLS.match(buf):
+                self._state = "between"
+                return True
+            if len(buf.strip()) < DECIDE and "\n" not in buf.strip():
+                return False
+            self._state = "content"
+            return True
         if self._state == "named":
             self._start_call(out, self.mode.name)
             return True
@@ -120,7 +137,7 @@ class ToolCallParser:
                 self._buf = buf[len(buf) - keep:]
                 return False
             self._content(out, buf[:at])
-            self._buf, self._raw, self._state = buf[at + len(OPEN):], OPEN, "head"
+            self._buf, self._raw, self._state, self._hermes = buf[at + len(OPEN):], OPEN, "head", True
             return True
         if self._state == "head":
             head = HERMES_HEAD.match(buf)
@@ -149,7 +166,8 @@ class ToolCallParser:
             if end is None:
                 return False
             self._value = None
-            self._state = "tail" if self.mode == "auto" else "between" if self.mode == "required" else "done"
+            self._state = ("done" if not isinstance(self.mode, str)  # a named function's
+                           else "tail" if self._hermes else "between")
             return True
         if self._state == "tail":  # after a call's arguments: up to its closing tag
             close = buf.find(CLOSE)
@@ -157,8 +175,8 @@ class ToolCallParser:
             if close >= 0:
                 self._state = "content"
             return close >= 0
-        if self._state == "between":  # "required": the next call's name
-            head = REQUIRED_HEAD.search(buf)
+        if self._state == "between":  # a list of calls: the next call's name
+            head = LIST_HEAD.search(buf)
             if head is None:
                 return False
             self._buf = buf[head.end():]
