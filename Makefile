@@ -29,19 +29,19 @@ $(VENV)/.installed: requirements.txt pyproject.toml | $(PY)
 	touch $@
 
 setup: $(VENV)/.installed
-	$(PY) -m eagle_serve.setup_env
+	$(PY) -m eagle_serve.server.setup_env
 
 serve: setup
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) \
-		exec $(PY) -m eagle_serve.serve --model-repository model_repository $(SERVE_ARGS)
+		exec $(PY) -m eagle_serve.server.serve --model-repository model_repository $(SERVE_ARGS)
 
 # N replicas of `make serve` (replica i on the base ports + 10 i, OpenAI port + i) behind
-# vllm-router on ROUTER_PORT (9100), cache-aware: eagle_serve.replicas, docs/deploy.md.
+# vllm-router on ROUTER_PORT (9100), cache-aware: eagle_serve.server.replicas, docs/deploy.md.
 N ?= 2
 ROUTER_PORT ?= 9100
 replicas: setup
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) \
-		ROUTER_PORT=$(ROUTER_PORT) exec $(PY) -m eagle_serve.replicas --replicas $(N) $(SERVE_ARGS)
+		ROUTER_PORT=$(ROUTER_PORT) exec $(PY) -m eagle_serve.server.replicas --replicas $(N) $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
@@ -52,9 +52,9 @@ test-fast: setup
 
 # Once on a GPU machine: kernels compiled and checked, k=0 vs the default draft shape (without
 # a GPU: the same checks on CPU). In the GPU image: docker compose run --rm --entrypoint
-# /opt/nvidia/nvidia_entrypoint.sh triton python3 -m eagle_serve.gpu_check
+# /opt/nvidia/nvidia_entrypoint.sh triton python3 -m eagle_serve.tools.gpu_check
 gpu-check: setup
-	$(PY) -m eagle_serve.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m eagle_serve.tools.gpu_check $(GPU_CHECK_ARGS)
 
 clean-cache:
 	rm -rf $(EAGLE_CACHE)

@@ -18,11 +18,11 @@ import torch
 from tqdm import tqdm
 
 from eagle_serve import paths
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.core.tokenization import encode_prompt, load_tokenizer
 from eagle_serve.local import build_local_engine
-from eagle_serve.requests import SamplingParams
-from eagle_serve.tokenization import encode_prompt, load_tokenizer
 
 
 def read_back(target, ids: list[int]) -> torch.Tensor:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from eagle_serve import paths
 from eagle_serve.client import grpc_generate, metrics
-from eagle_serve.requests import acceptance_length
+from eagle_serve.core.requests import acceptance_length
 
 SERVER_MODES = ("vanilla", "eagle")
 HF_MODES = ("hf", "hf-lookup")
@@ -218,8 +218,8 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
         from eagle_serve.settings import torch_dtype
-        from eagle_serve.tokenization import eos_token_ids, load_tokenizer
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,7 +241,7 @@ class HFRunner:
                                 prompt_lookup_num_tokens=lookup)
 
     def generate(self, prompt: str, config, seed: int | None = None) -> list[int]:
-        from eagle_serve.tokenization import encode_prompt
+        from eagle_serve.core.tokenization import encode_prompt
 
         torch = self.torch
         ids = torch.tensor([encode_prompt(self.tokenizer, prompt)], device=self.device)

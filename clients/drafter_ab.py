@@ -15,16 +15,16 @@ against plain decoding in the same run. In process a drafter call costs less tha
 Triton (no BLS hop), so the policy may draft more here than a server does: use this to compare
 drafters, speedup_matrix.py for serving.
 --every-logit adds plain decoding and the first drafter on the same engine with its greedy
-tokens from every logit of the LM head instead of the screened few (eagle_serve.cpu_argmax):
+tokens from every logit of the LM head instead of the screened few (eagle_serve.cpu.argmax):
 the same tokens, the screen's gain.
 --kernels-from REV adds plain decoding and the first drafter on the same engine with the layers
-(the decoder stack, eagle_serve.cpu_stack) run by git revision REV's C++ kernels: a kernel
+(the decoder stack, eagle_serve.models.cpu_stack) run by git revision REV's C++ kernels: a kernel
 change's gain on whole requests, where clients/forward_bench.py times single forwards.
 --fma-kernels adds plain decoding and the first drafter on a second engine whose target runs
 its Q4_1 linears on cpu.cpp's FMA kernels instead of AMX tiles (on CPUs with them,
-kernels/cpu_amx.cpp); its outputs are compared with its own plain decoding's.
+eagle_serve/kernels/cpu_amx.cpp); its outputs are compared with its own plain decoding's.
 --policy NAME=VALUE ... adds, for each, the first drafter on the same engine with that draft
-policy setting (an EngineConfig field the draft policy reads, eagle_serve.drafting) instead of
+policy setting (an EngineConfig field the draft policy reads, eagle_serve.spec.policy) instead of
 the default's: a policy change's gain on whole requests, beside the default in the same run.
 """
 from __future__ import annotations
@@ -39,14 +39,15 @@ import torch
 from forward_bench import kernels_at
 from tqdm import tqdm
 
-from eagle_serve import cpu_stack, paths
-from eagle_serve.cpu_argmax import ScreenedArgmax
+from eagle_serve import paths
+from eagle_serve.core.requests import SamplingParams, acceptance_length
+from eagle_serve.core.tokenization import encode_prompt
+from eagle_serve.cpu.argmax import ScreenedArgmax
 from eagle_serve.engine import Engine
+from eagle_serve.kernels.cpu import without_amx_tiles
 from eagle_serve.local import build_local_engine
-from eagle_serve.requests import SamplingParams, acceptance_length
+from eagle_serve.models import cpu_stack
 from eagle_serve.settings import EngineConfig, ServingSettings
-from eagle_serve.tokenization import encode_prompt
-from kernels.cpu import without_amx_tiles
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ then the default target's forward in the server's `auto` dtype (fp32 where the C
 the target is GGUF blocks) for 1 to 16 new tokens (--rows) of one request at context 200, its linears
 reading oneDNN's packed weights or the dense ones, or running the fp32 row kernel on the dense
 weights or on the exact Q4_1/Q8_0 blocks of a GGUF target, layer by layer or all layers in one
-C++ call (eagle_serve.cpu_stack, the server's path), and, on CPUs with native bf16, the same
+C++ call (eagle_serve.models.cpu_stack, the server's path), and, on CPUs with native bf16, the same
 target in bf16 (oneDNN's linears; what `auto` runs for dense targets there), the one call
 on 8-bit activations (`target_activations` int8) and, where the Q4_1 layers run on AMX tiles,
 the one call with them on the FMA kernels instead (EAGLE_CPU_AMX=0) (interleaved).
@@ -29,17 +29,17 @@ import time
 from pathlib import Path
 
 import torch
+from forward_profile import decode_batch  # this script's folder is on sys.path
 from torch import nn
 
 from eagle_serve import paths
-from eagle_serve.cpu_matmul import CpuLinear, native_bf16, onednn_bf16
-from eagle_serve.cpu_quant import block_form, int8_activations_run
+from eagle_serve.cpu.matmul import CpuLinear, native_bf16, onednn_bf16
+from eagle_serve.cpu.quant import block_form, int8_activations_run
+from eagle_serve.kernels.cpu import amx_tiles, build, cpu_kernels, without_amx_tiles
+from eagle_serve.models import cpu_stack
+from eagle_serve.models.target import TargetModel
 from eagle_serve.settings import torch_dtype
-from eagle_serve.target import TargetModel
 from eagle_serve.testing import gguf_weight
-from eagle_serve import cpu_stack
-from kernels.cpu import amx_tiles, build, cpu_kernels, without_amx_tiles
-from forward_profile import decode_batch  # this script's folder is on sys.path
 
 
 def bench_linears(hidden: int = 576, inter: int = 1536, vocab: int = 49152, layers: int = 30,
@@ -95,7 +95,8 @@ def kernels_at(rev: str):
     """The C++ kernels of git revision `rev`, built under their own name beside this tree's."""
     folder = Path(tempfile.mkdtemp(prefix="kernels-"))
     git = lambda *args: subprocess.run(["git", *args], check=True, capture_output=True).stdout
-    for path in git("ls-tree", "--name-only", rev, "kernels/").decode().split():
+    listed = git("ls-tree", "--name-only", rev, "src/eagle_serve/kernels/", "kernels/").decode().split()
+    for path in listed:  # (kernels/ before the package layout)
         if path.endswith((".cpp", ".h")):  # SOURCES and their headers, as that revision has them
             (folder / Path(path).name).write_bytes(git("show", f"{rev}:{path}"))
     return build(folder, suffix="_" + git("rev-parse", "--short", rev).decode().strip())
@@ -109,8 +110,8 @@ def bench_target(rows_list=TARGET_ROWS, context: int = 200, repeats: int = TARGE
     """Median time of the default target's forward (+ LM head, `auto` dtype) for `rows` new
     tokens of one request at `context`, its linears reading oneDNN's packed weights, the dense
     ones, or (fp32 with AVX2) running the row kernel on the dense weights or on their exact
-    Q4_1/Q8_0 blocks where found (eagle_serve.cpu_quant), layer by layer or in one call
-    (eagle_serve.cpu_stack), and in bf16 where the CPU computes it natively (interleaved)."""
+    Q4_1/Q8_0 blocks where found (eagle_serve.cpu.quant), layer by layer or in one call
+    (eagle_serve.models.cpu_stack), and in bf16 where the CPU computes it natively (interleaved)."""
     dtype = torch_dtype("auto", target_dir=paths.default_target_dir())
     model = TargetModel(paths.default_target_dir(), dtype=dtype, num_pages=64)
     every = model.cpu_linears()

@@ -19,11 +19,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from eagle_serve import paths, target as target_module
-from eagle_serve.cpu_matmul import CpuLinear
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel
+from eagle_serve import paths
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.cpu.matmul import CpuLinear
+from eagle_serve.models import target as target_module
+from eagle_serve.models.target import TargetModel
 
 MATMULS = ("mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm", "aten::bmm",
            "aten::matmul", "aten::scaled_dot_product_attention")

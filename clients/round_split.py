@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import re
 
-from eagle_serve.client import grpc_generate, metrics
-from eagle_serve.paths import read_prompts
-from eagle_serve.requests import acceptance_length
 from speedup_curve import parse_config  # this script's folder is on sys.path
+
+from eagle_serve.client import grpc_generate, metrics
+from eagle_serve.core.requests import acceptance_length
+from eagle_serve.paths import read_prompts
 
 METRIC = re.compile(r'(nv_inference_(?:compute_infer_duration_us|request_duration_us|count))'
                     r'\{model="(\w+)"')

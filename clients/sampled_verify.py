@@ -24,9 +24,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eagle_serve import paths
+from eagle_serve.core.requests import SamplingParams, acceptance_length
+from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.requests import SamplingParams, acceptance_length
-from eagle_serve.tokenization import encode_prompt
 
 CONFIGS = {  # name: (sampled_verify, request parameters)
     "plain": ("rejection", dict(num_speculative_tokens=0)),

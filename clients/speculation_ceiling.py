@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from eagle_serve import paths
-from eagle_serve.interfaces import RaggedBatch, RowSampling
-from eagle_serve.kv_pages import PagePool
+from eagle_serve.core.interfaces import RaggedBatch, RowSampling
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.tokenization import encode_prompt, load_tokenizer
+from eagle_serve.models.target import TargetModel
 from eagle_serve.settings import torch_dtype
-from eagle_serve.target import TargetModel
-from eagle_serve.tokenization import encode_prompt, load_tokenizer
 
 PAGE = 16  # tokens a KV page
 ACCEPTANCE = (0.5, 0.8, 1.0)  # ~this project's lookups and head / published heads / every draft

@@ -29,10 +29,9 @@ from tqdm import tqdm
 
 from eagle_serve import paths
 from eagle_serve.client import Generation, grpc_generate, metrics
-from eagle_serve.lookup import SOURCES
+from eagle_serve.core.requests import acceptance_length
 from eagle_serve.paths import read_prompts
-from eagle_serve.requests import acceptance_length
-
+from eagle_serve.spec.lookup import SOURCES
 
 NAMED = {"default": {},                                              # the server's defaults
          "head": {"context_lookup": False, "corpus_lookup": False}}  # ... drafting from the head alone

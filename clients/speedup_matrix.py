@@ -29,8 +29,9 @@ import itertools
 import json
 from pathlib import Path
 
-from eagle_serve.paths import read_prompts
 from speedup_curve import LEVEL, by_kind, interval, interval_errors, measure  # this script's folder is on sys.path
+
+from eagle_serve.paths import read_prompts
 
 TEMPERATURES = (0.0, 0.7)
 MIXED_TEMPERATURES = (0.7,)  # the sampled half of a mixed case's streams

@@ -10,7 +10,7 @@
 `GrpcStreamUser` reports, per request, besides the whole stream ("grpc" / "stream"):
 "time_to_first_token" and "inter_token_latency" (ms, in the response-time columns) and
 "tokens_per_s" (tokens per second of the request, in the response-time columns).
-`SoakUser` (opted into by name; `python -m eagle_serve.soak` runs it) mixes gRPC streams to
+`SoakUser` (opted into by name; `python -m eagle_serve.tools.soak` runs it) mixes gRPC streams to
 the ensemble and to spec_decode's cancellable direct path: ~10% are cancelled after a random
 number of responses ("cancelled"), ~5% are intentionally bad ("bad request refused": success
 means the server refused them with a message), the rest must finish ("stream").

@@ -11,7 +11,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernel tests
 
 import pytest  # noqa: E402
-
 from server import ServerPool, TritonServer  # noqa: E402
 
 
@@ -31,7 +30,7 @@ def tiny_models(tmp_path_factory):
 def kernels_on_cpu(monkeypatch):
     """Every dispatcher runs its Triton kernel (the GPU path), on CPU tensors too, through the
     interpreter (impl "ref" still the ref)."""
-    from kernels import paged_attention, rejection, sampling, workspace
+    from eagle_serve.kernels import paged_attention, rejection, sampling, workspace
 
     for module in (paged_attention, rejection, sampling, workspace):
         monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")

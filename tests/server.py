@@ -1,7 +1,7 @@
 """The real tritonserver for end-to-end tests, started the way `make serve` starts it.
 
 `ServerPool(workdir)(name, models, overrides, model_config_name)` serves a copy of
-model_repository/ (only `models`, parameters overridden through eagle_serve.repo_config) on
+model_repository/ (only `models`, parameters overridden through eagle_serve.triton_backend.repo_config) on
 free ports and keeps one server per name until `close()`. Each server runs in its own process
 group, so closing it also ends the Python backend stubs it spawned.
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Callable
 
 from eagle_serve import paths
-from eagle_serve.repo_config import copy_repository
-from eagle_serve.serve import server_command, server_environment
+from eagle_serve.server.serve import server_command, server_environment
 from eagle_serve.settings import CONFIG_NAME_ENV
+from eagle_serve.triton_backend.repo_config import copy_repository
 
 READY_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
@@ -207,7 +207,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float =
 
 @contextmanager
 def serve_tiny(tmp_path: Path, tiny_models: dict[str, Path], openai: bool = False):
-    """`python -m eagle_serve.serve` (what `make serve` runs: the supervised tritonserver, and
+    """`python -m eagle_serve.server.serve` (what `make serve` runs: the supervised tritonserver, and
     the OpenAI server if `openai`) on the float64 tiny model with k = 2, not waited for ->
     its process, with .http and .grpc (host:port), .openai_port and .log_path; its process
     group is killed at the end."""
@@ -218,7 +218,7 @@ def serve_tiny(tmp_path: Path, tiny_models: dict[str, Path], openai: bool = Fals
     http, grpc, metrics_port, openai_port = free_ports(4)
     env = server_environment() | {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
                                   "METRICS_PORT": str(metrics_port), "OPENAI_PORT": str(openai_port)}
-    cmd = [sys.executable, "-m", "eagle_serve.serve", "--model-repository", str(repo)]
+    cmd = [sys.executable, "-m", "eagle_serve.server.serve", "--model-repository", str(repo)]
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd + ([] if openai else ["--no-openai"]), env=env, stdout=log,

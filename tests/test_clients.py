@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from server import tiny_server
 
 from eagle_serve import paths
-from server import tiny_server
 
 ROOT = paths.REPO_ROOT
 MODES = ("vanilla", "eagle", "hf", "hf-lookup")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from eagle_serve import paths
-from eagle_serve.replicas import ROUTER_FLAGS
+from eagle_serve.server.replicas import ROUTER_FLAGS
 
 DEPLOY = paths.REPO_ROOT / "deploy"
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -120,12 +120,12 @@ def test_the_server_pod_probes_its_ports_drains_before_it_stops_and_builds_its_r
     ports = {p["name"] for p in main["ports"]}
     for probe in ("startupProbe", "readinessProbe"):
         assert main[probe]["httpGet"] == {"path": "/health", "port": "openai"} and "openai" in ports
-    assert main["livenessProbe"]["exec"]["command"][:3] == ["python3", "-m", "eagle_serve.health"]
+    assert main["livenessProbe"]["exec"]["command"][:3] == ["python3", "-m", "eagle_serve.server.health"]
     drain = main["lifecycle"]["preStop"]["exec"]["command"]
-    assert drain[:4] == ["python3", "-m", "eagle_serve.health", "--drain"]
+    assert drain[:4] == ["python3", "-m", "eagle_serve.server.health", "--drain"]
     assert float(drain[4]) < pod["terminationGracePeriodSeconds"]
     (init,) = pod["initContainers"]
-    assert init["command"][:3] == ["python3", "-m", "eagle_serve.repo_config"]
+    assert init["command"][:3] == ["python3", "-m", "eagle_serve.triton_backend.repo_config"]
     assert f"--model-repository={init['command'][4]}" in main["args"]
     settings = next(v for v in pod["volumes"] if v["name"] == "settings")["configMap"]["name"]
     assert ("ConfigMap", settings) in manifests  # the generated name, hash and all

@@ -8,17 +8,17 @@ import warnings
 
 import psutil
 import pytest
+from server import serve_tiny, wait_until
 
 from eagle_serve.client import grpc_generate, http_generate
-from eagle_serve.processes import model_processes
-from server import serve_tiny, wait_until
+from eagle_serve.server.processes import model_processes
 
 pytestmark = pytest.mark.server
 
 
 @pytest.fixture
 def supervised(tmp_path, tiny_models):
-    """`python -m eagle_serve.serve` (what `make serve` runs) on the tiny float64 model, answering."""
+    """`python -m eagle_serve.server.serve` (what `make serve` runs) on the tiny float64 model, answering."""
     with serve_tiny(tmp_path, tiny_models) as proc:
         assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
         yield proc

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_serve import gpu_check
+from eagle_serve.tools import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, run `make gpu-check`")
@@ -27,7 +27,7 @@ def test_gpu_check_runs_its_cpu_parts_and_passes(tiny_models, capsys):
 
 
 def test_a_kernel_that_disagrees_with_its_reference_fails_the_check(monkeypatch):
-    from kernels import paged_attention as pa
+    from eagle_serve.kernels import paged_attention as pa
 
     original = pa.write_kv_triton
 

@@ -21,8 +21,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from eagle_serve import serve
-from eagle_serve.serve import CONTAINER_TREE
+from eagle_serve.server import serve
+from eagle_serve.server.serve import CONTAINER_TREE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "gpu-stack.md").read_text()
@@ -103,7 +103,7 @@ def test_compose_runs_the_supervised_image_with_a_restart_policy_and_a_stub_awar
     assert "command" not in service or not any("tritonserver" in a for a in service["command"])
     assert service["restart"] in ("always", "unless-stopped", "on-failure")
     check = service["healthcheck"]["test"]
-    assert check[:4] == ["CMD", "python3", "-m", "eagle_serve.health"]
+    assert check[:4] == ["CMD", "python3", "-m", "eagle_serve.server.health"]
     http_port = check[check.index("--http-port") + 1]
     assert f"{http_port}:{http_port}" in service["ports"]
     repo = next(a.split("=", 1)[1] for a in service["command"] if a.startswith("--model-repository="))
@@ -121,12 +121,12 @@ def test_the_dockerfile_builds_on_the_documented_base_image():
 def test_the_image_runs_the_supervisor_on_the_gpu_configs():
     entry = instruction("ENTRYPOINT")
     assert entry[0] == "/opt/nvidia/nvidia_entrypoint.sh"  # NVIDIA's start-up checks
-    assert entry[1:4] == ["python3", "-m", "eagle_serve.serve"]
+    assert entry[1:4] == ["python3", "-m", "eagle_serve.server.serve"]
     assert "--model-config-name=gpu" in entry and "--no-supervise" not in entry
     assert instruction("CMD") == ["--model-repository=/opt/eagle-serve/model_repository"]
     assert re.search(rf"^ENV .*TRITONSERVER_DIR={CONTAINER_TREE}\b", dockerfile(), re.M)
     health = re.search(r"^HEALTHCHECK .*CMD (\[.*\])$", dockerfile().replace("\\\n", " "), re.M)
-    assert health and json.loads(health[1])[:3] == ["python3", "-m", "eagle_serve.health"]
+    assert health and json.loads(health[1])[:3] == ["python3", "-m", "eagle_serve.server.health"]
 
 
 def test_the_image_installs_the_gpu_pins():

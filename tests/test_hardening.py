@@ -13,9 +13,9 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from server import CHAINS, tiny_server
 
 from eagle_serve.client import grpc_generate
-from server import CHAINS, tiny_server
 
 pytestmark = pytest.mark.server
 

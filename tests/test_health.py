@@ -1,4 +1,4 @@
-"""`python -m eagle_serve.health` (the container's health check) against a real tritonserver:
+"""`python -m eagle_serve.server.health` (the container's health check) against a real tritonserver:
 healthy while serving, unhealthy once a model's Python process is killed, although Triton
 itself keeps /v2/health/ready at 200."""
 from __future__ import annotations
@@ -9,17 +9,17 @@ import urllib.request
 
 import psutil
 import pytest
+from server import free_ports, launch, wait_until
 
 from eagle_serve import paths
-from eagle_serve.processes import model_processes
-from eagle_serve.repo_config import copy_repository
-from server import free_ports, launch, wait_until
+from eagle_serve.server.processes import model_processes
+from eagle_serve.triton_backend.repo_config import copy_repository
 
 pytestmark = pytest.mark.server
 
 
 def health(http_port: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eagle_serve.health", "--http-port", str(http_port)],
+    return subprocess.run([sys.executable, "-m", "eagle_serve.server.health", "--http-port", str(http_port)],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -1,6 +1,7 @@
-"""Import directions: no cycle among the modules' top-level imports, the kernels import nothing
-of eagle_serve, and what runs without a model (the tokenizer-only Triton models, the clients,
-the processes around the server) imports no torch."""
+"""Import directions: the packages are layers (a lower one imports nothing of a higher one, the
+kernels nothing else of eagle_serve), no cycle among the modules' top-level imports, and what
+runs without a model (the tokenizer-only Triton models, the clients, the processes around the
+server) imports no torch."""
 from __future__ import annotations
 
 import ast
@@ -11,12 +12,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"eagle_serve": ROOT / "src" / "eagle_serve", "kernels": ROOT / "kernels"}
+PACKAGES = {"eagle_serve": ROOT / "src" / "eagle_serve"}
+# eagle_serve's packages and top-level modules, lowest first: each imports only from its own
+# layer and those below it (the engine's core and its speculation use each other)
+LAYERS = [("paths", "settings"), ("kernels",), ("cpu",), ("core", "spec"), ("models",),
+          ("engine", "local", "client", "testing"), ("triton_backend",), ("server",),
+          ("openai_api", "tools", "train", "__main__")]
 TOKENIZER_ONLY = ["model_repository/preprocess/1/model.py", "model_repository/postprocess/1/model.py"]
-TORCH_FREE = ["eagle_serve.settings", "eagle_serve.tokenization", "eagle_serve.triton_utils",
-              "eagle_serve.client", "eagle_serve.paths", "eagle_serve.requests",
-              "eagle_serve.serve", "eagle_serve.supervisor", "eagle_serve.health",
-              "eagle_serve.processes", "eagle_serve.openai_api.server", "eagle_serve.replicas"]
+TORCH_FREE = ["eagle_serve.settings", "eagle_serve.core.tokenization", "eagle_serve.triton_backend.io",
+              "eagle_serve.client", "eagle_serve.paths", "eagle_serve.core.requests",
+              "eagle_serve.server.serve", "eagle_serve.server.supervisor", "eagle_serve.server.health",
+              "eagle_serve.server.processes", "eagle_serve.openai_api.server", "eagle_serve.server.replicas"]
 
 
 def module_files() -> dict[str, Path]:
@@ -83,18 +89,45 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
+def every_import(path: Path) -> set[str]:
+    """The eagle_serve modules `path` names in any import statement (in functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {f"{node.module}.{a.name}" if node.module == "eagle_serve" else node.module for a in node.names}
+    return {name for name in found if name.startswith("eagle_serve.")}
+
+
+def test_the_packages_are_layers_that_import_only_downward():
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    units = {name.split(".")[1] for name in module_files() if name.count(".")}
+    assert units == set(rank), "every package and top-level module has a layer"
+    upward = [f"{name} imports {dep}" for name, path in module_files().items() if name.count(".")
+              for dep in every_import(path) if rank[dep.split(".")[1]] > rank[name.split(".")[1]]]
+    assert not upward, upward
+
+
+def test_the_package_shows_its_layers():
+    top = [p.stem for p in PACKAGES["eagle_serve"].glob("*.py") if p.stem != "__init__"]
+    assert len(top) <= 12, top
+    long = [str(p) for p in PACKAGES["eagle_serve"].rglob("*.py") if len(p.read_text().splitlines()) > 450]
+    assert not long, long
+
+
 def test_no_module_imports_itself_back_through_others():
     graph = import_graph()
-    assert "kernels.workspace" in graph["eagle_serve.workspace"]  # the walk sees imports
-    assert "eagle_serve.processes" in graph["eagle_serve.health"]
+    assert "eagle_serve.kernels.workspace" in graph["eagle_serve.core.workspace"]  # the walk sees imports
+    assert "eagle_serve.server.processes" in graph["eagle_serve.server.health"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_the_kernels_import_nothing_of_eagle_serve():
-    graph = import_graph()
-    upward = {m: sorted(i for i in deps if i.startswith("eagle_serve"))
-              for m, deps in graph.items() if m.startswith("kernels")}
+def test_the_kernels_import_nothing_else_of_eagle_serve():
+    kernels = {name: path for name, path in module_files().items() if name.startswith("eagle_serve.kernels")}
+    upward = {m: sorted(i for i in every_import(path) if not i.startswith("eagle_serve.kernels"))
+              for m, path in kernels.items()}
     assert not any(upward.values()), upward
 
 

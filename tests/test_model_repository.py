@@ -113,10 +113,12 @@ def test_single_instance_models_ask_for_one_instance():
 
 def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
     import torch
-    assert ServingSettings(dtype="auto").torch_dtype(True, REPO) == torch.bfloat16
-    assert ServingSettings(dtype="float64").torch_dtype(False, REPO) == torch.float64
+
+    from eagle_serve.models.checkpoints import settings_dtype
+    assert settings_dtype(ServingSettings(dtype="auto"), True, REPO) == torch.bfloat16
+    assert settings_dtype(ServingSettings(dtype="float64"), False, REPO) == torch.float64
     with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
-        ServingSettings(dtype="float64").torch_dtype(True, REPO)
+        settings_dtype(ServingSettings(dtype="float64"), True, REPO)
 
 
 def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
@@ -131,7 +133,7 @@ def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
     pb_utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pb_utils)
     config = as_dict(repo / model / config_file)
-    from eagle_serve.workers import DrafterWorker, TargetWorker
+    from eagle_serve.triton_backend.workers import DrafterWorker, TargetWorker
     worker = TargetWorker if model == "eagle_target" else DrafterWorker
     return worker.auto_complete_config(pb_utils.ModelConfig(json.dumps(config)),
                                        str(repo / model / "1" / "model.py")).as_dict()
@@ -144,8 +146,8 @@ def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
 
 
 def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_drafter(tmp_path):
-    from eagle_serve.repo_config import copy_repository
-    from eagle_serve.workers import TRITON_TYPES
+    from eagle_serve.triton_backend.repo_config import copy_repository
+    from eagle_serve.triton_backend.workers import TRITON_TYPES
 
     cpu_auto = TRITON_TYPES[torch_dtype("auto", False, paths.default_target_dir())]
     for config_file, want in (("config.pbtxt", cpu_auto), ("configs/gpu.pbtxt", "TYPE_BF16")):
@@ -160,9 +162,10 @@ def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_
 
 
 def test_a_worker_refuses_to_load_without_the_features_its_auto_complete_declares():
-    from eagle_serve.workers import require_features
+    from eagle_serve.models.checkpoints import settings_dtype
+    from eagle_serve.triton_backend.workers import require_features
 
-    dtype = read_settings(REPO).torch_dtype(False, REPO)  # what a CPU worker runs
+    dtype = settings_dtype(read_settings(REPO), False, REPO)  # what a CPU worker runs
     for model, direction, name in (("eagle_target", "output", "hidden"),
                                    ("eagle_drafter", "input", "features")):
         require_features(auto_completed(model, "config.pbtxt"), direction, name, dtype)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eagle_serve.openai_api.backend import error_from_message
-from eagle_serve.openai_api.protocol import (ChatCompletionRequest, CompletionRequest, Counters,
-                                             OpenAIError)
+from eagle_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest, Counters, OpenAIError
 
 
 def chat_request(**kw) -> ChatCompletionRequest:

@@ -9,7 +9,6 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
-
 from test_openai_server import api, chat, streamed_chat, tiny, tokenizer, user  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.server

@@ -20,12 +20,12 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-
-from eagle_serve.client import grpc_generate, metrics
-from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
 from server import TritonServer, free_ports, serve_tiny, tiny_server
 from server import wait_until as server_wait_until
 from test_reliability import tight_server
+
+from eagle_serve.client import grpc_generate, metrics
+from eagle_serve.core.tokenization import decode, encode_prompt, load_tokenizer, render_chat
 
 pytestmark = pytest.mark.server
 
@@ -305,7 +305,7 @@ def test_a_full_engine_answers_503_server_busy(triton_server, tiny_models, tmp_p
 
 @pytest.fixture
 def served(tmp_path, tiny_models):
-    """`python -m eagle_serve.serve` (what `make serve` runs) with the OpenAI server beside it."""
+    """`python -m eagle_serve.server.serve` (what `make serve` runs) with the OpenAI server beside it."""
     with serve_tiny(tmp_path, tiny_models, openai=True) as proc:
         yield proc, OpenAIServer(proc, proc.openai_port, proc.log_path)
 

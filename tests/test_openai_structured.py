@@ -7,7 +7,6 @@ import json
 
 import openai
 import pytest
-
 from test_openai_server import api, chat, tiny, tokenizer, user  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.server

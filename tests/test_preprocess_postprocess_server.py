@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+from tritonclient.utils import InferenceServerException
 
 from eagle_serve import paths
-from eagle_serve.tokenization import decode, detok_window, encode_prompt, load_tokenizer
+from eagle_serve.core.tokenization import decode, detok_window, encode_prompt, load_tokenizer
 
 pytestmark = pytest.mark.server
 

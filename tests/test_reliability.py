@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from server import CHAINS, tiny_server
 
 from eagle_serve.client import grpc_generate, http_generate, metrics
-from eagle_serve.soak import run_soak
-from server import CHAINS, tiny_server
+from eagle_serve.tools.soak import run_soak
 
 pytestmark = pytest.mark.server
 
@@ -150,7 +150,7 @@ def wait_for_metrics(url: str, expected: dict[str, float], deadline_s: float = 3
 
 
 def test_a_one_minute_soak_serves_every_request_and_leaks_nothing(triton_server, tiny_models, tmp_path):
-    """The CI-sized version of `python -m eagle_serve.soak` (README: the 10-minute run)."""
+    """The CI-sized version of `python -m eagle_serve.tools.soak` (README: the 10-minute run)."""
     server = tiny_server(triton_server, tiny_models, "eagle3")
     report = run_soak("localhost", server.grpc_port, server.metrics_port, server.process.pid,
                       duration_s=60, users=4, out=tmp_path, log=lambda _: None)

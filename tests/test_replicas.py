@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from eagle_serve import paths
-from eagle_serve.processes import find_server
-from eagle_serve.replicas import PORT_STEP, Ports
 from server import free_ports, wait_until
 from test_openai_server import get
+
+from eagle_serve import paths
+from eagle_serve.server.processes import find_server
+from eagle_serve.server.replicas import PORT_STEP, Ports
 
 pytestmark = pytest.mark.server
 
@@ -178,7 +178,7 @@ def test_every_dashboard_query_names_a_metric_the_servers_or_the_router_export(r
 
 
 def test_drain_waits_until_the_running_request_ends(replicas):
-    from eagle_serve.health import drain, in_flight
+    from eagle_serve.server.health import drain, in_flight
     ports = replicas.ports[0]
     metrics_url = f"127.0.0.1:{ports.metrics}"
     assert drain(metrics_url, 5.0)  # idle

@@ -4,8 +4,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from eagle_serve import paths
-from eagle_serve.repo_config import (copy_repository, main, parse_assignments, quote,
-                                     set_parameter)
+from eagle_serve.triton_backend.repo_config import copy_repository, main, parse_assignments, quote, set_parameter
 
 TARGET_CONFIG = """# the target
 name: "eagle_target"

@@ -10,14 +10,13 @@ import concurrent.futures as futures
 import time
 
 import pytest
-
+from server import tiny_server  # the tiny_models fixture lives in conftest.py
 
 from eagle_serve.client import grpc_generate, http_generate, http_generate_stream, metrics
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.lookup import SOURCES
-from eagle_serve.tokenization import encode_prompt
-from server import tiny_server  # the tiny_models fixture lives in conftest.py
+from eagle_serve.spec.lookup import SOURCES
 
 pytestmark = pytest.mark.server
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from server import CHAINS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle_serve import paths
 from eagle_serve.client import grpc_generate
-from eagle_serve.heads import random_head
-from eagle_serve.target import load_target_config
+from eagle_serve.core.tokenization import encode_prompt
+from eagle_serve.models.heads import random_head
+from eagle_serve.models.target import load_target_config
 from eagle_serve.testing import hf_generate_greedy, make_tiny_target, write_head_layout
-from eagle_serve.tokenization import encode_prompt
-from server import CHAINS
 
 pytestmark = pytest.mark.server
 
@@ -58,10 +58,11 @@ def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_mode
     config.pbtxt still names the default one, and the output is the tiny model's."""
     import re
 
-    from eagle_serve.repo_config import copy_repository, set_parameter
-    from eagle_serve.testing import tiny_engine
-    from eagle_serve.requests import SamplingParams
     from server import launch
+
+    from eagle_serve.core.requests import SamplingParams
+    from eagle_serve.testing import tiny_engine
+    from eagle_serve.triton_backend.repo_config import copy_repository, set_parameter
 
     repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo")
     for config in repo.glob("*/configs/gpu.pbtxt"):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
+import fake_pb
 import numpy as np
 import pytest
 
-import fake_pb
-from eagle_serve.interfaces import ModelUnavailable
+from eagle_serve.core.interfaces import ModelUnavailable
 from eagle_serve.testing import tiny_engine
-from eagle_serve.service import SpecDecodeService
+from eagle_serve.triton_backend.service import SpecDecodeService
 
 POISON = 13  # a token id the failing model wrappers refuse
 

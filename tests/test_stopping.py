@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_serve import paths
-from eagle_serve.stopping import StopAutomaton, StopChecker
-from eagle_serve.tokenization import decode, load_tokenizer
+from eagle_serve.core.stopping import StopAutomaton, StopChecker
+from eagle_serve.core.tokenization import decode, load_tokenizer
 
 
 @pytest.fixture(scope="module")

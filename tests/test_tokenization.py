@@ -7,8 +7,15 @@ from hypothesis import strategies as st
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from eagle_serve import paths
-from eagle_serve.tokenization import (WINDOW, decode, decode_delta, detok_window, encode_prompt,
-                                      load_tokenizer, stable_prefix)
+from eagle_serve.core.tokenization import (
+    WINDOW,
+    decode,
+    decode_delta,
+    detok_window,
+    encode_prompt,
+    load_tokenizer,
+    stable_prefix,
+)
 
 EMOJI = "😀"
 

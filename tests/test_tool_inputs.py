@@ -2,13 +2,13 @@
 read by spec_decode's service in-process (fake pb_utils, tiny float64 models)."""
 from __future__ import annotations
 
+import fake_pb
 import numpy as np
 import pytest
-
-import fake_pb
-from eagle_serve.service import SpecDecodeService
-from eagle_serve.testing import tiny_engine
 from test_service import text_request, wait_final
+
+from eagle_serve.testing import tiny_engine
+from eagle_serve.triton_backend.service import SpecDecodeService
 
 PROMPT = "Tell me a short story about a lighthouse."
 
@@ -116,8 +116,8 @@ def test_the_models_generation_config_gives_the_defaults_of_unset_inputs(pb, tmp
     them where a request sets nothing; what a request sends wins."""
     import json
 
-    from eagle_serve.service import read_params
     from eagle_serve.settings import generation_defaults
+    from eagle_serve.triton_backend.service import read_params
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64,
          "do_sample": True, "eos_token_id": 2}))

@@ -22,12 +22,12 @@ import time
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server import tiny_server
 
 from eagle_serve.client import metrics
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.core.tokenization import decode, encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.requests import SamplingParams
-from eagle_serve.tokenization import decode, encode_prompt
-from server import tiny_server
 
 pytestmark = pytest.mark.server
 

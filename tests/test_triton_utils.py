@@ -1,11 +1,11 @@
 """Request-parsing helpers of the Python-backend models, against a stand-in for pb_utils."""
+import fake_pb
 import numpy as np
 import pytest
 
-import fake_pb
-from eagle_serve import triton_utils as tu
+from eagle_serve.core.tokenization import encode_prompt, load_tokenizer
 from eagle_serve.testing import write_tiny_tokenizer
-from eagle_serve.tokenization import encode_prompt, load_tokenizer
+from eagle_serve.triton_backend import io as tu
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import argparse
 import time
 
 from eagle_serve import paths
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.tokenization import encode_prompt
 
 
 def generate(args) -> None:

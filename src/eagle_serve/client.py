@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle_serve.requests import acceptance_length
+from eagle_serve.core.requests import acceptance_length
 
 # name -> (triton dtype, numpy dtype) of the optional ensemble inputs
 PARAMS = {

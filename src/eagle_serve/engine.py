@@ -3,12 +3,12 @@
 One round (`step()`, then `draft()`) for every running request:
   schedule  - reserve KV pages, admit waiting requests (mapping the cached pages of their
               prefix), preempt the newest when pages run out, and pick the round's rows within
-              the token budget (eagle_serve.scheduler, eagle_serve.prefix_cache);
+              the token budget (eagle_serve.core.scheduler, eagle_serve.core.prefix_cache);
   verify    - one target forward over [uncomputed tokens + drafts] of every request, the
-              acceptance rule, KV rollback (eagle_serve.verify);
+              acceptance rule, KV rollback (eagle_serve.spec.verify);
   draft     - one drafter call catches up on the newly verified positions and proposes the
               next drafts of every speculative request, in the shapes the draft policy chooses
-              (eagle_serve.drafting).
+              (eagle_serve.spec.policy).
 A request with num_speculative_tokens = 0 goes through the same path without drafts: that is
 the plain-decoding baseline. Randomness is keyed by (seed, position, purpose), so a seeded
 request's output does not depend on its batch; a preempted request is recomputed up to its
@@ -35,19 +35,19 @@ from dataclasses import replace
 
 import torch
 
-from eagle_serve import verify
-from eagle_serve.draft_round import propose_drafts
-from eagle_serve.drafting import DraftPolicy
-from eagle_serve.lookup import CorpusIndex
-from eagle_serve.grammar import COMPILE_TIMEOUT_S, Guides
-from eagle_serve.processors import bad_word_ids
-from eagle_serve.interfaces import DrafterRunner, KVLost, ModelUnavailable, TargetRunner
-from eagle_serve.requests import TO_THE_END, Completion, Request, RequestOutput, SamplingParams
-from eagle_serve.scheduler import Scheduler
+from eagle_serve.core.grammar import COMPILE_TIMEOUT_S, Guides
+from eagle_serve.core.interfaces import DrafterRunner, KVLost, ModelUnavailable, TargetRunner
+from eagle_serve.core.processors import bad_word_ids
+from eagle_serve.core.requests import TO_THE_END, Completion, Request, RequestOutput, SamplingParams
+from eagle_serve.core.scheduler import Scheduler
+from eagle_serve.core.stopping import StopChecker
+from eagle_serve.core.workspace import DraftWorkspace
 from eagle_serve.settings import EngineConfig
-from eagle_serve.stopping import StopChecker
-from eagle_serve.verify import DraftWork, EngineStats
-from eagle_serve.workspace import DraftWorkspace
+from eagle_serve.spec import verify
+from eagle_serve.spec.lookup import CorpusIndex
+from eagle_serve.spec.policy import DraftPolicy
+from eagle_serve.spec.proposals import propose_drafts
+from eagle_serve.spec.verify import DraftWork, EngineStats
 
 log = logging.getLogger(__name__)
 

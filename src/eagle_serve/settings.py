@@ -22,7 +22,7 @@ DRAFTER_WEIGHTS = ("trained", "q8_0", "q8_0_a8")  # see checkpoints.load_drafter
 TARGET_ACTIVATIONS = ("fp32", "int8")  # see target.TargetModel
 
 
-CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.lookup)
+CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.spec.lookup)
 
 
 SAMPLED_VERIFY = ("auto", "rejection", "coupled")
@@ -67,7 +67,7 @@ class ServingSettings:
     max_model_len: int = 0                     # prompt + output tokens of a request; 0 = the
     #                                            target's own context (max_position_embeddings)
     enable_prefix_caching: bool = True         # requests share the KV pages of a common prefix
-    #                                            (eagle_serve.prefix_cache)
+    #                                            (eagle_serve.core.prefix_cache)
     max_num_batched_tokens: int = 256          # rows one round computes at most: running
     #                                            requests' decode and verify rows first, then
     #                                            prompts in chunks (0 = whole prompts at once)
@@ -209,10 +209,6 @@ class ServingSettings:
             return default_corpus_index(drafter_dir)
         return paths.resolve_model_path(self.lookup_corpus, repo_dir)
 
-    def torch_dtype(self, on_gpu: bool, repo_dir: Path):
-        """The model dtype of a worker of the repository at `repo_dir` (auto: see torch_dtype)."""
-        return torch_dtype(self.dtype, on_gpu, self.model_dirs(repo_dir)[0])
-
     def apply_threads(self, role: str) -> None:
         """Processes run one after another in a round; threads beyond the work oversubscribe
         the cores (measured 27 s vs 1.4 s for 32 tokens when two processes spun 2 threads each)."""
@@ -341,30 +337,6 @@ def parse_bool(value: str) -> bool:
     return word == "true"
 
 
-def torch_dtype(name: str, on_gpu: bool = False, target_dir: Path | None = None):
-    """A dtype name of the settings -> torch dtype. auto: bfloat16 on GPU; on CPU bfloat16 where
-    the CPU computes it natively (AVX512-BF16/AMX), unless the target's weights are exact GGUF
-    blocks (`cpu_quant.holds_blocks`), else float32. float32 runs the CPU kernels on those blocks
-    and the layers in one C++ call: the default target's decode step took 15.6 ms in fp32 against
-    50.1 ms in bf16 on an AMX Xeon, while a dense ~1B target ran 160 ms in fp32 against 124 in
-    bf16 (docs/performance.md)."""
-    import torch
-
-    if name == "auto":
-        from eagle_serve.cpu_matmul import native_bf16
-        from eagle_serve.cpu_quant import holds_blocks
-        if on_gpu:
-            return torch.bfloat16
-        blocks = target_dir is not None and holds_blocks(target_dir)
-        return torch.bfloat16 if native_bf16() and not blocks else torch.float32
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
-    if on_gpu and name == "float64":  # the attention kernel accumulates in float32
-        raise ValueError("dtype float64 runs on CPU instances only; on a GPU use auto "
-                         "(bfloat16), float16 or float32")
-    return getattr(torch, name)
-
-
 def tokenizer_dir(value: str, repo_dir: Path) -> Path:
     """A tokenizer folder parameter; "target" (the default) = spec_decode's target model (the
     default model in a repository without spec_decode)."""
@@ -383,12 +355,12 @@ def chat_template_default(repo_dir: Path) -> bool:
     return read_settings(repo_dir).apply_chat_template
 
 
-CONFIG_NAME_ENV = "EAGLE_MODEL_CONFIG_NAME"  # tritonserver's --model-config-name (eagle_serve.serve)
+CONFIG_NAME_ENV = "EAGLE_MODEL_CONFIG_NAME"  # tritonserver's --model-config-name (eagle_serve.server.serve)
 
 
 def settings_file(repo_dir: Path) -> Path:
     """The spec_decode config Triton loads: configs/<name>.pbtxt when the server runs with
-    --model-config-name=<name> (EAGLE_MODEL_CONFIG_NAME, which eagle_serve.serve sets for
+    --model-config-name=<name> (EAGLE_MODEL_CONFIG_NAME, which eagle_serve.server.serve sets for
     tritonserver and its models) and the repository has it, else config.pbtxt. Every model and
     the OpenAI server read the settings from this one file, so an edit reaches all of them."""
     name = os.environ.get(CONFIG_NAME_ENV)

@@ -20,11 +20,11 @@ import transformers
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from eagle_serve.checkpoints import read_target_tensor, save_head
-from eagle_serve.cpu_quant import round_to_q8_0
-from eagle_serve.heads import EagleHead, random_head
-from eagle_serve.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling
-from eagle_serve.target import load_target_config
+from eagle_serve.core.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling
+from eagle_serve.cpu.quant import round_to_q8_0
+from eagle_serve.models.checkpoints import read_target_tensor, save_head
+from eagle_serve.models.heads import EagleHead, random_head
+from eagle_serve.models.target import load_target_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
@@ -302,7 +302,7 @@ def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, d
 def assert_drafts_verify_to_plain(engine, prompts: list[list[int]], max_tokens: int = 16) -> list:
     """Greedy chains and trees on `engine` give exactly its plain decoding's tokens, and draft
     -> plain decoding's token lists."""
-    from eagle_serve.requests import SamplingParams
+    from eagle_serve.core.requests import SamplingParams
 
     plain = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens,
                                                                           num_speculative_tokens=0))]

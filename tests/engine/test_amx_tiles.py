@@ -1,4 +1,4 @@
-"""Q4_1 linears on AMX tiles (kernels/cpu_amx.cpp, on CPUs with AMX-BF16): fp32 with exact
+"""Q4_1 linears on AMX tiles (eagle_serve/kernels/cpu_amx.cpp, on CPUs with AMX-BF16): fp32 with exact
 products in another summation order, each output computed alike whatever the other rows and
 threads, so verification still reproduces decoding; on by default where the CPU has the tiles."""
 from __future__ import annotations
@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from eagle_serve import paths
-from eagle_serve.cpu_quant import block_form
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel
-from eagle_serve.testing import (assert_drafts_verify_to_plain, gguf_weight, q8_0_target, round_to_q4_1,
-                                 tiny_engine)
-from kernels.cpu import amx_tiles, cpu_kernels
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.cpu.quant import block_form
+from eagle_serve.kernels.cpu import amx_tiles
+from eagle_serve.models.target import TargetModel
+from eagle_serve.testing import assert_drafts_verify_to_plain, gguf_weight, q8_0_target, round_to_q4_1, tiny_engine
 
 pytestmark = pytest.mark.skipif(not amx_tiles(), reason="AMX tiles: a CPU with AMX-BF16 (e.g. Xeon Sapphire Rapids)")
 

@@ -11,15 +11,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from eagle_serve.checkpoints import load_drafter
+from eagle_serve.core.interfaces import RaggedBatch, ancestor_mask
+from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.engine import SamplingParams
-from eagle_serve.interfaces import RaggedBatch, ancestor_mask
-from eagle_serve.kv_pages import PagePool
+from eagle_serve.kernels.cpu import cpu_kernels
 from eagle_serve.local import build_local_engine
-from eagle_serve.target import ARCHITECTURES, TargetModel, UnsupportedArchitecture
-from eagle_serve.testing import (TINY_ARCHITECTURES, gguf_weight, hf_generate_greedy, make_random_head,
-                                 make_tiny_target)
-from kernels.cpu import cpu_kernels
+from eagle_serve.models.checkpoints import load_drafter
+from eagle_serve.models.target import ARCHITECTURES, TargetModel, UnsupportedArchitecture
+from eagle_serve.testing import TINY_ARCHITECTURES, gguf_weight, hf_generate_greedy, make_random_head, make_tiny_target
 
 ARCHS = list(TINY_ARCHITECTURES)
 
@@ -176,7 +175,7 @@ def test_the_training_command_trains_a_head_for_every_architecture(arch, arch_mo
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.skipif(
-    cpu_kernels() is None, reason="fp32 is row-invariant through kernels/cpu.cpp (AVX2, FMA)"))])
+    cpu_kernels() is None, reason="fp32 is row-invariant through eagle_serve/kernels/cpu.cpp (AVX2, FMA)"))])
 @pytest.mark.parametrize("arch", [a for a in ARCHS if not ARCHITECTURES[model_type(a)].moe])
 def test_verify_passes_reproduce_plain_decoding_bitwise(arch, dtype, arch_models, prompts):
     """The CPU paths stay row-invariant for every dense architecture (fused projections,
@@ -219,7 +218,7 @@ def test_every_dense_architecture_runs_fused_projections(arch, arch_models, prom
 STACKED = {"llama", "mistral", "qwen2", "phi3"}  # model types cpu_stack.CpuDecoderStack takes
 
 
-@pytest.mark.skipif(cpu_kernels() is None, reason="the layer stack is kernels/cpu.cpp's (AVX2, FMA)")
+@pytest.mark.skipif(cpu_kernels() is None, reason="the layer stack is eagle_serve/kernels/cpu.cpp's (AVX2, FMA)")
 @pytest.mark.parametrize("arch", [a for a in ARCHS if not ARCHITECTURES[model_type(a)].moe])
 @torch.inference_mode()
 def test_the_one_call_cpu_layer_stack_gives_the_python_loops_bits(arch, arch_models, prompts):

@@ -1,9 +1,9 @@
 """Self-distillation corpus: greedy answers are the target's, sampled ones are seeded per prompt."""
 from __future__ import annotations
 
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.requests import SamplingParams
-from eagle_serve.tokenization import encode_prompt
 from eagle_serve.train.corpus import generate_corpus, read_corpus
 
 PROMPTS = ["Why is the sky blue?", "Write a haiku about tea.", "What is 2 + 2?"]

@@ -1,4 +1,4 @@
-"""Greedy tokens from a block-quantized LM head screened on 8-bit activations (eagle_serve.cpu_argmax):
+"""Greedy tokens from a block-quantized LM head screened on 8-bit activations (eagle_serve.cpu.argmax):
 every logit within a proven bound of its fp32 value, the fp32 logits of the tokens that may be
 the largest, and so the full head's argmax bit for bit, ties to the lowest id."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_serve.cpu_argmax import ScreenedArgmax, screenable
-from eagle_serve.cpu_matmul import CpuLinear
-from eagle_serve.cpu_quant import int8_activations_run
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.cpu.argmax import ScreenedArgmax, screenable
+from eagle_serve.cpu.matmul import CpuLinear
+from eagle_serve.cpu.quant import int8_activations_run
+from eagle_serve.kernels.cpu import cpu_kernels
 from eagle_serve.testing import gguf_weight, q8_0_target, tiny_engine
-from kernels.cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not int8_activations_run(),
                                 reason="the screen runs on the 8-bit kernels (AVX2, FMA)")

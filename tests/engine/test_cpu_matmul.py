@@ -9,12 +9,12 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.cpp_extension import is_ninja_available
 
-from eagle_serve.checkpoints import load_drafter
-from eagle_serve.cpu_matmul import CpuLinear, fuse_linears, onednn_bf16
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel
-from kernels.cpu import cpu_flags, cpu_kernels
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.cpu.matmul import CpuLinear, fuse_linears, onednn_bf16
+from eagle_serve.kernels.cpu import cpu_flags, cpu_kernels
+from eagle_serve.models.checkpoints import load_drafter
+from eagle_serve.models.target import TargetModel
 
 
 @pytest.mark.skipif(not ({"avx2", "fma"} <= cpu_flags() and shutil.which("c++") and is_ninja_available()),

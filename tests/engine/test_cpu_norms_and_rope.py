@@ -1,4 +1,4 @@
-"""kernels/cpu.cpp's RMSNorm and RoPE + KV write: HF's arithmetic (the norm within fp32 rounding,
+"""eagle_serve/kernels/cpu.cpp's RMSNorm and RoPE + KV write: HF's arithmetic (the norm within fp32 rounding,
 RoPE bitwise), every row on its own, and wired into the fp32 CPU target and drafter only."""
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from eagle_serve.checkpoints import load_drafter
-from eagle_serve.cpu_norm import CpuRMSNorm
-from eagle_serve.paged import apply_rope
-from eagle_serve.target import TargetModel
-from kernels.cpu import cpu_kernels, rope_write_kv, rope_write_kv_fits
-from kernels.paged_attention import write_kv_ref
+from eagle_serve.cpu.norm import CpuRMSNorm
+from eagle_serve.kernels.cpu import cpu_kernels, rope_write_kv, rope_write_kv_fits
+from eagle_serve.kernels.paged_attention import write_kv_ref
+from eagle_serve.models.checkpoints import load_drafter
+from eagle_serve.models.paged import apply_rope
+from eagle_serve.models.target import TargetModel
 
-needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="kernels/cpu.cpp needs AVX2, FMA and a compiler")
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="eagle_serve/kernels/cpu.cpp needs AVX2, FMA and a compiler")
 
 
 @needs_kernels

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from eagle_serve import paths
-from eagle_serve.cpu_matmul import CpuLinear, find_block_weights, fuse_linears
-from eagle_serve.cpu_quant import block_form, round_to_q8_0
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
-from eagle_serve.requests import SamplingParams
-from eagle_serve.target import TargetModel
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.cpu.matmul import CpuLinear, find_block_weights, fuse_linears
+from eagle_serve.cpu.quant import block_form, round_to_q8_0
+from eagle_serve.kernels.cpu import cpu_kernels, wide_linears
+from eagle_serve.models.target import TargetModel
 from eagle_serve.testing import gguf_weight, tiny_engine
-from kernels.cpu import cpu_kernels, wide_linears
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the row kernels need AVX2 and FMA")
 
@@ -162,11 +162,11 @@ def test_a_q8_0_drafter_runs_on_its_blocks_and_greedy_output_stays_plain_decodin
 def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_bf16_for_dense_weights(
         tmp_path, monkeypatch):
     """A target of exact blocks is faster in float32 on the block kernels than in bf16 even with
-    AMX (settings.torch_dtype); dense weights keep bf16 where the CPU computes it natively."""
+    AMX (checkpoints.torch_dtype); dense weights keep bf16 where the CPU computes it natively."""
     from safetensors.torch import save_file
 
-    from eagle_serve import cpu_matmul
-    from eagle_serve.settings import torch_dtype
+    from eagle_serve.cpu import matmul as cpu_matmul
+    from eagle_serve.models.checkpoints import torch_dtype
 
     folders = {}
     for name, weight in (("blocks", gguf_weight("q4_1", 64, 64)), ("dense", torch.randn(64, 64))):
@@ -185,8 +185,8 @@ def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_
 
 def test_without_the_cpu_kernels_int8_target_activations_are_refused_and_the_drafter_keeps_fp32_inputs(
         tiny_target, eagle3_head, monkeypatch):
-    """What the 8-bit-activation settings do where kernels/cpu_i8.cpp cannot run."""
-    from eagle_serve import checkpoints, target
+    """What the 8-bit-activation settings do where eagle_serve/kernels/cpu_i8.cpp cannot run."""
+    from eagle_serve.models import checkpoints, target
 
     monkeypatch.setattr(target, "int8_activations_run", lambda: False)
     monkeypatch.setattr(checkpoints, "int8_activations_run", lambda: False)

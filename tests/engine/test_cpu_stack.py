@@ -1,15 +1,15 @@
-"""An EAGLE head's layers in one C++ call (eagle_serve.cpu_stack.head_stack) draft exactly what
+"""An EAGLE head's layers in one C++ call (eagle_serve.models.cpu_stack.head_stack) draft exactly what
 its Python loop drafts. (The target's stack: tests/engine/test_architectures.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.kernels.cpu import cpu_kernels
 from eagle_serve.testing import tiny_engine
-from kernels.cpu import cpu_kernels
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the layer stack is kernels/cpu.cpp's (AVX2, FMA)")
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the layer stack is eagle_serve/kernels/cpu.cpp's (AVX2, FMA)")
 
 
 @pytest.mark.parametrize("weights", ["trained", "q8_0", "q8_0_a8"])

@@ -12,11 +12,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from eagle_serve import drafting
-from eagle_serve.drafting import MAX_PROBE_WAIT, PROBE_BUDGET, PROBE_EVERY, DraftPolicy, best_chain
-from eagle_serve.lookup import CONTEXT
-from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
+from eagle_serve.core.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
+from eagle_serve.spec import policy as drafting
+from eagle_serve.spec.lookup import CONTEXT
+from eagle_serve.spec.policy import MAX_PROBE_WAIT, PROBE_BUDGET, PROBE_EVERY, DraftPolicy, best_chain
 from eagle_serve.testing import make_random_head, make_tiny_llama, tiny_engine
 
 MAX_TOKENS = 24
@@ -283,7 +283,8 @@ def exact_law(target_dir, prompt: list[int], temperature: float, top_k: int, len
     """[6^length] the target's probability of each continuation of `length` tokens (6-token
     vocabulary, with temperature and top-k), in base-6 order."""
     from transformers import AutoModelForCausalLM
-    from kernels.sampling import compute_probs_ref
+
+    from eagle_serve.kernels.sampling import compute_probs_ref
 
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float64).eval()
     heads = list(itertools.product(range(6), repeat=length - 1))

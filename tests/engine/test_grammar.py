@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle_serve.lookup import GRAMMAR
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.spec.lookup import GRAMMAR
 from eagle_serve.testing import OracleDrafter, TreeOracleDrafter, tiny_engine
 
 MAX_TOKENS = 24

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from eagle_serve.checkpoints import CheckpointError, load_drafter, load_head
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.engine import SamplingParams
-from eagle_serve.heads import layer_config, random_head
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
 from eagle_serve.local import build_local_engine
-from eagle_serve.target import load_target_config
+from eagle_serve.models.checkpoints import CheckpointError, load_drafter, load_head
+from eagle_serve.models.heads import layer_config, random_head
+from eagle_serve.models.target import load_target_config
 from eagle_serve.testing import hf_generate_greedy, make_tiny_llama, write_head_layout
 
 # name -> (layout, head kind, random_head fields, extra config fields, target)

@@ -1,7 +1,7 @@
 """An engine round waits for the device a fixed, small number of times.
 
 On a GPU every device-to-host read, every copy of host data to the device and every output
-whose size depends on device data stalls the host (eagle_serve.host_syncs). Counted here on
+whose size depends on device data stalls the host (eagle_serve.tools.host_syncs). Counted here on
 CPU with every kernel dispatcher on its GPU path (the Triton kernels, through the
 interpreter): the number per `Engine.step()` (a verify pass, acceptance and the next drafts)
 must be the same for 1 or 4 requests and for a 4- or 8-layer target, and stay within a budget.
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_serve import staging
+from eagle_serve.core import staging
+from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.engine import SamplingParams
-from eagle_serve.host_syncs import count_host_syncs
-from eagle_serve.interfaces import RaggedBatch
 from eagle_serve.local import build_local_engine
 from eagle_serve.testing import make_random_head, make_tiny_llama
+from eagle_serve.tools.host_syncs import count_host_syncs
 
 ROUNDS = {  # per-request parameters -> the most host syncs a round may make
     "greedy chains of 3": (dict(num_speculative_tokens=3, draft_topk=1), 16),

@@ -1,4 +1,4 @@
-"""Linears on 8-bit activations (kernels/cpu_i8.cpp, llama.cpp's arithmetic; AVX512-VNNI or
+"""Linears on 8-bit activations (eagle_serve/kernels/cpu_i8.cpp, llama.cpp's arithmetic; AVX512-VNNI or
 AVX2, whichever this build runs: tests/engine/test_cpu_quant.py runs this file on the AVX2 build
 too): each output is the exact integer sum of each block, scaled, whatever the other rows and
 threads, so verification still reproduces decoding; the drafter runs them by default, the target
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_serve.cpu_matmul import CpuLinear
-from eagle_serve.cpu_quant import block_form, int8_activations_run
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.cpu.matmul import CpuLinear
+from eagle_serve.cpu.quant import block_form, int8_activations_run
 from eagle_serve.testing import assert_drafts_verify_to_plain, gguf_weight, q8_0_target, tiny_engine
 
 pytestmark = pytest.mark.skipif(not int8_activations_run(),

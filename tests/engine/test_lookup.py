@@ -1,4 +1,4 @@
-"""Lookup draft sources (eagle_serve.lookup) and draft trees that mix them with the head's."""
+"""Lookup draft sources (eagle_serve.spec.lookup) and draft trees that mix them with the head's."""
 from __future__ import annotations
 
 import random
@@ -9,16 +9,28 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_serve import lookup
-from eagle_serve.draft_round import merge_branch
-from eagle_serve.drafting import Branch
-from eagle_serve.lookup import (CONTEXT, CORPUS, MAX_MATCH, VOTE_CAP, ContextIndex, CorpusIndex,
-                                CorpusRecord, Proposal, check_corpus_tokenizer, corpus_strength,
-                                load_corpus_index, lookup_accuracy, tokenizer_fingerprint)
-from eagle_serve.lookup_scores import MAX_PLACE, PRIOR_RATE, LookupKey, LookupScores
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.kernels.cpu import cpu_kernels
+from eagle_serve.spec import lookup
+from eagle_serve.spec.lookup import (
+    CONTEXT,
+    CORPUS,
+    MAX_MATCH,
+    VOTE_CAP,
+    ContextIndex,
+    CorpusIndex,
+    CorpusRecord,
+    Proposal,
+    check_corpus_tokenizer,
+    corpus_strength,
+    load_corpus_index,
+    lookup_accuracy,
+    tokenizer_fingerprint,
+)
+from eagle_serve.spec.lookup_scores import MAX_PLACE, PRIOR_RATE, LookupKey, LookupScores
+from eagle_serve.spec.policy import Branch
+from eagle_serve.spec.proposals import merge_branch
 from eagle_serve.testing import tiny_engine
-from kernels.cpu import cpu_kernels
 
 MAX_TOKENS = 40
 
@@ -85,7 +97,7 @@ def brute_force_corpus(sequences, tokens: list[int], limit: int, min_prob: float
 
 @pytest.fixture(params=["c++", "python"])
 def walk_in(request, monkeypatch):
-    """Corpus lookups walk in kernels/cpu_lookup.cpp, or in CorpusIndex.walk (its reference)."""
+    """Corpus lookups walk in eagle_serve/kernels/cpu_lookup.cpp, or in CorpusIndex.walk (its reference)."""
     if request.param == "python":
         monkeypatch.setattr(CorpusIndex, "_kernel", None)
     elif cpu_kernels() is None:
@@ -183,7 +195,7 @@ def test_an_index_of_an_older_version_is_refused_with_the_command_that_rebuilds_
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_target))
     np.savez_compressed(tmp_path / "old.npz", bits=16, fingerprint=tokenizer_fingerprint(tokenizer),
                         keys_1=np.zeros(1, dtype=np.int64))
-    with pytest.raises(ValueError, match="older version.*python -m eagle_serve.lookup build"):
+    with pytest.raises(ValueError, match="older version.*python -m eagle_serve.spec.lookup build"):
         load_corpus_index(tmp_path / "old.npz", tokenizer)
 
 
@@ -258,10 +270,10 @@ def test_requests_that_switch_lookups_off_draft_from_the_head_alone_and_sampled_
 
 
 def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
-    from eagle_serve.draft_round import first_path
-    from eagle_serve.drafting import DraftPolicy
-    from eagle_serve.requests import AcceptanceRecord, Request
+    from eagle_serve.core.requests import AcceptanceRecord, Request
     from eagle_serve.settings import EngineConfig
+    from eagle_serve.spec.policy import DraftPolicy
+    from eagle_serve.spec.proposals import first_path
 
     policy = DraftPolicy(EngineConfig.served(lookup_tokens=3))
     req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[7, 1, 2, 3, 4, 5, 9, 1])
@@ -283,9 +295,9 @@ def test_lookups_continue_the_heads_most_likely_path_as_well_as_the_tokens():
 def test_a_greedy_request_beside_others_looks_up_while_it_may_draft_at_all():
     """Lookups cost verify rows and no drafter call: a greedy request drafts them in a batch
     too (chains of the head beside them), up to max_draft_batch running requests."""
-    from eagle_serve.drafting import DraftPolicy
-    from eagle_serve.requests import Request
+    from eagle_serve.core.requests import Request
     from eagle_serve.settings import EngineConfig
+    from eagle_serve.spec.policy import DraftPolicy
 
     policy = DraftPolicy(EngineConfig.served(lookup_tokens=3, max_tree_batch=1, max_draft_batch=4,
                                              draft_call_cost=0.0, draft_step_cost=0.0))
@@ -313,9 +325,9 @@ def test_greedy_and_coupled_requests_lookups_are_scored_apart():
     """A coupled sampled request's lookup drafts must equal a sample, not the argmax: they are
     kept less often, so the rate a greedy request's drafts earned must not price them (nor the
     other way round) on a server running both."""
-    from eagle_serve.drafting import DraftPolicy
-    from eagle_serve.requests import Request
+    from eagle_serve.core.requests import Request
     from eagle_serve.settings import EngineConfig
+    from eagle_serve.spec.policy import DraftPolicy
 
     policy = DraftPolicy(EngineConfig.served(lookup_tokens=3, sampled_lookup_tokens=3,
                                              sampled_verify="coupled"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
 from eagle_serve.testing import OracleDrafter, tiny_engine
 
 MAX_TOKENS = 24

@@ -1,4 +1,4 @@
-"""Draft costs measured on the running machine (eagle_serve.costs): the target's time as a line in
+"""Draft costs measured on the running machine (eagle_serve.spec.costs): the target's time as a line in
 its row count and the drafter call's time become the policy's shares of a plain round, so dear
 verify rows stop a busy batch from drafting and cheap ones let it draft; seeded rejection-sampled
 requests keep the static costs; the engine records its calls, and its output stays exact."""
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_serve.costs import DECAY, FORGET, MIN_CALLS, MeasuredCosts
-from eagle_serve.drafting import BATCH_MARGIN, MEASURED_MARGIN, DraftPolicy
-from eagle_serve.lookup import CONTEXT, CORPUS, HEAD
-from eagle_serve.lookup_scores import MAX_PLACE, LookupKey, LookupScores
-from eagle_serve.requests import AcceptanceRecord, Request, SamplingParams
+from eagle_serve.core.requests import AcceptanceRecord, Request, SamplingParams
 from eagle_serve.settings import EngineConfig
+from eagle_serve.spec.costs import DECAY, FORGET, MIN_CALLS, MeasuredCosts
+from eagle_serve.spec.lookup import CONTEXT, CORPUS, HEAD
+from eagle_serve.spec.lookup_scores import MAX_PLACE, LookupKey, LookupScores
+from eagle_serve.spec.policy import BATCH_MARGIN, MEASURED_MARGIN, DraftPolicy
 from eagle_serve.testing import tiny_engine
 
 
@@ -219,7 +219,7 @@ def test_a_lookup_branch_ends_at_its_last_token_likely_enough_to_pay_for_its_row
 
 
 def test_verification_counts_each_reached_lookup_draft_by_its_key_accepted_or_not():
-    from eagle_serve.verify import _observe_lookups
+    from eagle_serve.spec.verify import _observe_lookups
 
     req = Request("r", 2, SamplingParams(), k=8, seed=0, stop=None, tokens=[1, 2])
     req.lookup_scores = LookupScores()

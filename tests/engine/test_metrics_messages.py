@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from eagle_serve import metrics as metrics_module
-from eagle_serve.metrics import EngineMetrics
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
 from eagle_serve.testing import tiny_engine
+from eagle_serve.triton_backend import metrics as metrics_module
+from eagle_serve.triton_backend.metrics import EngineMetrics
 
 
 class _Metric:

@@ -7,10 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle_serve.requests import SamplingParams
-from eagle_serve.testing import (OracleDrafter, TreeOracleDrafter, make_random_head, make_tiny_llama,
-                                 tiny_engine)
-from kernels.sampling import compute_probs_ref
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.kernels.sampling import compute_probs_ref
+from eagle_serve.testing import OracleDrafter, TreeOracleDrafter, make_random_head, make_tiny_llama, tiny_engine
 
 MAX_TOKENS, MIN_TOKENS = 16, 6
 

@@ -8,12 +8,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle_serve import paths
-from eagle_serve.checkpoints import CheckpointError, load_drafter, load_head
-from eagle_serve.requests import SamplingParams
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
+from eagle_serve.models.checkpoints import CheckpointError, load_drafter, load_head
+from eagle_serve.models.target import TargetModel
 from eagle_serve.testing import make_random_head
 
 
@@ -126,7 +126,7 @@ def test_a_folder_without_weights_fails_with_a_clear_message(tmp_path, tiny_targ
 
 
 def test_a_sampled_request_without_drafts_adds_no_draft_probabilities(tiny_target, eagle1_head):
-    from eagle_serve.interfaces import DraftShapes, RowSampling
+    from eagle_serve.core.interfaces import DraftShapes, RowSampling
     drafter = load_drafter(eagle1_head, tiny_target, dtype=torch.float64, num_pages=16, page_size=4)
     seqs = [[5, 6, 7, 8], [9, 10, 11]]
     short = ragged(seqs, PagePool(16, 4))  # pages 0, 1 / 2 ... then room for the drafts

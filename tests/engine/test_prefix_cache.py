@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle_serve import paths
-from eagle_serve.kv_pages import PagePool
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
-from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import tiny_engine
 
 MAX_TOKENS = 12
@@ -238,9 +238,9 @@ def test_a_speculative_hit_on_pages_the_drafter_never_saw_catches_up_from_their_
 
 
 def test_page_names_depend_on_the_whole_prefix_and_the_salt_only():
-    from eagle_serve.prefix_cache import PrefixCache
-    from eagle_serve.requests import Request
-    from eagle_serve.verify import EngineStats
+    from eagle_serve.core.prefix_cache import PrefixCache
+    from eagle_serve.core.requests import Request
+    from eagle_serve.spec.verify import EngineStats
 
     cache = PrefixCache(PagePool(8, 4), PagePool(8, 4), EngineStats())
 
@@ -292,9 +292,9 @@ def test_random_request_streams_give_plain_output_and_leak_no_page(tiny_target, 
 def test_pages_past_a_stop_string_cut_are_not_named():
     """A stop string cuts tokens whose KV was computed: pages are named only below the tokens
     the request keeps (a name over fewer tokens would serve another prompt wrong KV)."""
-    from eagle_serve.prefix_cache import PrefixCache
-    from eagle_serve.requests import Request
-    from eagle_serve.verify import EngineStats
+    from eagle_serve.core.prefix_cache import PrefixCache
+    from eagle_serve.core.requests import Request
+    from eagle_serve.spec.verify import EngineStats
 
     target, drafter = PagePool(8, 4), PagePool(8, 4)
     cache = PrefixCache(target, drafter, EngineStats())

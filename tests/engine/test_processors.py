@@ -9,11 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle_serve.processors import banned_words
-from eagle_serve.requests import SamplingParams
-from eagle_serve.testing import (OracleDrafter, TreeOracleDrafter, make_random_head, make_tiny_llama,
-                                 tiny_engine)
-from kernels.sampling import compute_probs_ref
+from eagle_serve.core.processors import banned_words
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.kernels.sampling import compute_probs_ref
+from eagle_serve.testing import OracleDrafter, TreeOracleDrafter, make_random_head, make_tiny_llama, tiny_engine
 
 MAX_TOKENS = 16
 

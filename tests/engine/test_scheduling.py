@@ -5,8 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from eagle_serve.core.requests import SamplingParams
 from eagle_serve.engine import EngineBusy
-from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import OracleDrafter, tiny_engine
 
 MAX_TOKENS = 24
@@ -190,7 +190,7 @@ def test_any_mix_of_finish_cancel_and_preempt_leaks_nothing(tiny_target, prompts
 
 
 def test_max_tokens_minus_one_runs_to_the_end_of_the_context_or_of_the_cache(tiny_target, eagle3_head):
-    from eagle_serve.requests import TO_THE_END
+    from eagle_serve.core.requests import TO_THE_END
     prompt = [5, 6, 7, 8, 9]
     context = tiny_engine(tiny_target, eagle3_head, max_model_len=40)
     result = context.generate([prompt], SamplingParams(max_tokens=TO_THE_END, ignore_eos=True,

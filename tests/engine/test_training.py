@@ -5,14 +5,22 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_serve.checkpoints import load_drafter
-from eagle_serve.heads import random_head
-from eagle_serve.requests import SamplingParams
-from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
-from eagle_serve.train.trainer import (TrainConfig, Trainer, _prefill_batch, compute_features, soft_cross_entropy,
-                                       target_to_draft, unrolled_hidden, unrolled_loss)
+from eagle_serve.models.checkpoints import load_drafter
+from eagle_serve.models.heads import random_head
+from eagle_serve.models.target import TargetModel
+from eagle_serve.train.trainer import (
+    TrainConfig,
+    Trainer,
+    _prefill_batch,
+    compute_features,
+    soft_cross_entropy,
+    target_to_draft,
+    unrolled_hidden,
+    unrolled_loss,
+)
 
 
 @torch.inference_mode()
@@ -29,7 +37,7 @@ def test_unrolled_training_steps_equal_drafting_steps_at_inference(tiny_target, 
     with torch.inference_mode():
         train_steps = unrolled_hidden(head, embed, feats.unsqueeze(0), ids, steps=3)
 
-    from eagle_serve.drafter import Drafter
+    from eagle_serve.models.drafter import Drafter
     drafter = Drafter(head, embed, None, num_pages=32, page_size=4)
     m = 12  # chain started at position m: catch up on (f_p, x_{p+1}) for p <= m
     pool = PagePool(32, 4)

@@ -8,12 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from eagle_serve.checkpoints import load_drafter
-from eagle_serve.requests import SamplingParams
-from eagle_serve.interfaces import DraftShapes, RaggedBatch, RowSampling
-from eagle_serve.kv_pages import PagePool
+from eagle_serve.core.interfaces import DraftShapes, RaggedBatch, RowSampling
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.kernels.sampling import compute_probs_ref
+from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.testing import TreeOracleDrafter, make_random_head, make_tiny_llama, tiny_engine
-from kernels.sampling import compute_probs_ref
 
 MAX_TOKENS = 24
 SHAPES = [(2, 3, 4), (4, 4, 8), (3, 2, 6)]  # (draft_topk, draft_depth, k = nodes verified)
@@ -152,7 +152,7 @@ def test_with_max_tree_batch_a_full_round_drafts_chains_of_the_tree_depth_and_a_
 @torch.inference_mode()
 def test_tree_attention_in_the_drafter_equals_recomputing_each_path_as_a_chain(
         request, tiny_target, prompts, head_name):
-    from eagle_serve.target import TargetModel
+    from eagle_serve.models.target import TargetModel
     head_dir = request.getfixturevalue(head_name)
     drafter = load_drafter(head_dir, tiny_target, dtype=torch.float64, num_pages=32, page_size=4)
     target = TargetModel(tiny_target, dtype=torch.float64, num_pages=32, page_size=4,
@@ -422,8 +422,8 @@ def test_pruning_at_certainty_drafts_one_draft_or_one_level(tiny_target, eagle3_
 
 
 def test_the_served_policy_drafts_sampled_requests_as_short_chains_unless_they_ask_otherwise():
-    from eagle_serve.drafting import DraftPolicy
     from eagle_serve.settings import EngineConfig
+    from eagle_serve.spec.policy import DraftPolicy
 
     policy = DraftPolicy(EngineConfig.served())
     sampled = dict(temperature=0.7)
@@ -435,8 +435,8 @@ def test_the_served_policy_drafts_sampled_requests_as_short_chains_unless_they_a
 
 
 def test_coupled_sampled_requests_draft_a_two_wide_tree_unless_they_ask_otherwise():
-    from eagle_serve.drafting import DraftPolicy
     from eagle_serve.settings import EngineConfig
+    from eagle_serve.spec.policy import DraftPolicy
 
     policy = DraftPolicy(EngineConfig.served())
     sampled = dict(temperature=0.7)

@@ -1,4 +1,4 @@
-"""kernels/bench.py: skips cleanly without a GPU, and every case it times runs both ways."""
+"""`python -m eagle_serve.kernels.bench`: skips cleanly without a GPU, and every case it times runs both ways."""
 from __future__ import annotations
 
 import subprocess
@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import bench
+from eagle_serve.kernels import bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs the benchmark")
 def test_the_benchmark_skips_cleanly_without_a_gpu():
-    done = subprocess.run([sys.executable, str(ROOT / "kernels" / "bench.py")],
+    done = subprocess.run([sys.executable, "-m", "eagle_serve.kernels.bench"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "skipped, no CUDA device" in done.stdout

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
-from eagle_serve.requests import SamplingParams
 from eagle_serve.testing import make_random_head, make_tiny_llama
 
 
@@ -37,7 +37,7 @@ def test_greedy_output_on_the_kernels_is_the_reference_paths(small_models, monke
     target, head = small_models
     engine = build_local_engine(target, head, dtype=torch.float32)
     expected = generate(engine, SHAPES["plain"])
-    from kernels import paged_attention, rejection, sampling, workspace
+    from eagle_serve.kernels import paged_attention, rejection, sampling, workspace
 
     for module in (paged_attention, rejection, sampling, workspace):
         monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")

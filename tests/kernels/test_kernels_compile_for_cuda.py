@@ -1,6 +1,6 @@
 """Every kernel variant the launchers can pick compiles for sm_80 (A100) and sm_90 (H100) with
 Triton's bundled ptxas, no GPU needed: catches what the interpreter lets by (loop-carried types,
-dot shapes, casts). The variants are those kernels/warmup.py enumerates (through the launchers'
+dot shapes, casts). The variants are those eagle_serve/kernels/warmup.py enumerates (through the launchers'
 own tile functions) for two served shapes: SmolLM2-135M (9 q / 3 kv heads, head_dim 64) and a
 Llama-3.1-8B (32 / 8, head_dim 128), in bfloat16 and float32 (the two attention precisions),
 with float16 spot checks. The Triton version must be the GPU image's (requirements-gpu.txt).
@@ -27,9 +27,9 @@ VOCABS = (8192, 49152, 128256)  # draft and target vocabularies of the two model
 def specs():
     """{(kernel name, types, constexprs): (kernel, types of its runtime arguments, constexprs)}
     for every variant, deduplicated."""
-    from kernels import paged_attention as pa
-    from kernels import rejection, sampling, workspace
-    from kernels.warmup import MAX_QUERIES, MAX_ROWS, smallest_inputs
+    from eagle_serve.kernels import paged_attention as pa
+    from eagle_serve.kernels import rejection, sampling, workspace
+    from eagle_serve.kernels.warmup import MAX_QUERIES, MAX_ROWS, smallest_inputs
 
     found = {}
 
@@ -108,7 +108,7 @@ def test_the_compiler_is_the_triton_of_the_gpu_image():
 
 
 def test_every_variant_family_is_compiled():
-    from kernels import paged_attention, rejection, sampling, workspace
+    from eagle_serve.kernels import paged_attention, rejection, sampling, workspace
 
     names = {key[0] for key in specs()}
     modules = (paged_attention, rejection, sampling, workspace)

@@ -8,21 +8,21 @@ import itertools
 import pytest
 import torch
 
-import kernels.rowwise_attention as rowwise_module
-from kernels.attention_ref import paged_attention_ref
-from kernels.cpu import cpu_kernels
-from kernels.paged_attention import paged_attention, write_kv, write_kv_ref
-from kernels.rowwise_attention import paged_attention_rowwise
+import eagle_serve.kernels.rowwise_attention as rowwise_module
+from eagle_serve.kernels.attention_ref import paged_attention_ref
+from eagle_serve.kernels.cpu import cpu_kernels
+from eagle_serve.kernels.paged_attention import paged_attention, write_kv, write_kv_ref
+from eagle_serve.kernels.rowwise_attention import paged_attention_rowwise
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 40
 
 
 @pytest.fixture(params=["cpu.cpp", "python"])
 def rowwise_path(request, monkeypatch):
-    """paged_attention_rowwise through kernels/cpu.cpp's `attend` (where this CPU builds it) or
+    """paged_attention_rowwise through eagle_serve/kernels/cpu.cpp's `attend` (where this CPU builds it) or
     through its PyTorch fallback."""
     if request.param == "cpu.cpp" and cpu_kernels() is None:
-        pytest.skip("kernels/cpu.cpp needs AVX2, FMA and a compiler")
+        pytest.skip("eagle_serve/kernels/cpu.cpp needs AVX2, FMA and a compiler")
     if request.param == "python":
         monkeypatch.setattr(rowwise_module, "cpu_kernels", lambda: None)
     return request.param
@@ -292,7 +292,7 @@ def test_a_windowed_tree_query_sees_the_last_window_positions_of_its_path_soft_c
     torch.testing.assert_close(out[6], torch.einsum("hs,shd->hd", weights, values), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.skipif(cpu_kernels() is None, reason="kernels/cpu.cpp needs AVX2, FMA and a compiler")
+@pytest.mark.skipif(cpu_kernels() is None, reason="eagle_serve/kernels/cpu.cpp needs AVX2, FMA and a compiler")
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (10, 2), (16, 2)],
                          ids=["no-gqa", "group-4", "group-5", "group-8"])
 def test_the_cpp_attention_of_any_gqa_group_matches_the_reference_and_is_row_invariant(q_heads, kv_heads):

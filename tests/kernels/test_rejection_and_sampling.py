@@ -5,9 +5,13 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from kernels.rejection import (greedy_accept_ref, greedy_tree_accept, random_accept_ref,
-                               random_tree_accept_ref)
-from kernels.sampling import DRAFT, SAMPLE, compute_probs_ref, coupled_scores, keyed_uniform, sample_ref
+from eagle_serve.kernels.rejection import (
+    greedy_accept_ref,
+    greedy_tree_accept,
+    random_accept_ref,
+    random_tree_accept_ref,
+)
+from eagle_serve.kernels.sampling import DRAFT, SAMPLE, compute_probs_ref, coupled_scores, keyed_uniform, sample_ref
 
 ALPHA = 1e-6
 
@@ -72,14 +76,14 @@ def test_keyed_uniforms_depend_only_on_the_key():
 
 
 def test_the_cpu_noise_and_race_are_the_torch_forms_bit_for_bit(monkeypatch):
-    """kernels/cpu_random.cpp against sampling.py's torch form (what runs where it is not built,
+    """eagle_serve/kernels/cpu_random.cpp against sampling.py's torch form (what runs where it is not built,
     and on other devices): the same uniforms, and the same winners over peaked, flat, float32
     and float64 rows with zeros (its log is skipped where it cannot change the winner)."""
-    from kernels import sampling
-    from kernels.cpu import cpu_kernels
+    from eagle_serve.kernels import sampling
+    from eagle_serve.kernels.cpu import cpu_kernels
 
     if cpu_kernels() is None:
-        pytest.skip("kernels/cpu.cpp is not built on this CPU")
+        pytest.skip("eagle_serve/kernels/cpu.cpp is not built on this CPU")
     keys = [sampling.key_seed(s, 11, DRAFT) for s in range(4)]
     assert torch.equal(cpu_kernels().keyed_uniforms(torch.tensor(keys), 5000),
                        torch.stack([sampling.stream_uniforms(k, 5000) for k in keys]))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_rejection_and_sampling import ALPHA, chi2_pvalue
 
-from kernels.rejection import greedy_accept, greedy_accept_ref, random_accept, random_accept_ref
-from kernels.sampling import DRAFT, sample
+from eagle_serve.kernels.rejection import greedy_accept, greedy_accept_ref, random_accept, random_accept_ref
+from eagle_serve.kernels.sampling import DRAFT, sample
 
 
 def ragged(num_drafts: list[int]) -> torch.Tensor:

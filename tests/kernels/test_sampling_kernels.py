@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 from test_rejection_and_sampling import ALPHA, chi2_pvalue
 
-from kernels import sampling
-from kernels.sampling import DRAFT, SAMPLE, compute_probs, compute_probs_ref, sample, sample_ref
+from eagle_serve.kernels import sampling
+from eagle_serve.kernels.sampling import DRAFT, SAMPLE, compute_probs, compute_probs_ref, sample, sample_ref
 
 
 def assert_probs_close(kernel: torch.Tensor, ref: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""kernels/warmup.py launches every kernel variant the served path launches.
+"""eagle_serve/kernels/warmup.py launches every kernel variant the served path launches.
 
 Triton compiles a kernel once per key: its constexpr values and the specialization of every
 other argument (dtype; integers equal to 1 or a multiple of 16; 16-byte aligned pointers) as
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import inspect
 
+import kernels
 import pytest
 import torch
 
-import kernels
 from eagle_serve.engine import SamplingParams
+from eagle_serve.kernels import paged_attention, rejection, sampling, warmup, workspace
 from eagle_serve.local import build_local_engine
 from eagle_serve.testing import make_random_head, make_tiny_llama
-from kernels import paged_attention, rejection, sampling, warmup, workspace
 
 KERNELS = [paged_attention._write_kv_kernel, paged_attention._paged_attention_kernel,
            sampling._probs_kernel, sampling._sample_kernel, rejection._greedy_accept_kernel,

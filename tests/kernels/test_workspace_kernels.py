@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.workspace import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
+from eagle_serve.kernels.workspace import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 
 
 @pytest.mark.parametrize("slots_count, width, rows", [(11, 111, 7), (5, 49152, 3), (4, 96, 1)])

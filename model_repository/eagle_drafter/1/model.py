@@ -1,8 +1,8 @@
-"""eagle_drafter: a thin shell over eagle_serve.workers.DrafterWorker (one instance, BLS only)."""
+"""eagle_drafter: a thin shell over eagle_serve.triton_backend.workers.DrafterWorker (one instance, BLS only)."""
 import triton_python_backend_utils as pb_utils
 
-from eagle_serve import triton_utils as tu
-from eagle_serve.workers import DrafterWorker
+from eagle_serve.triton_backend import io as tu
+from eagle_serve.triton_backend.workers import DrafterWorker
 
 
 class TritonPythonModel:

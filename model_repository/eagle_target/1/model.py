@@ -1,8 +1,8 @@
-"""eagle_target: a thin shell over eagle_serve.workers.TargetWorker (one instance, BLS only)."""
+"""eagle_target: a thin shell over eagle_serve.triton_backend.workers.TargetWorker (one instance, BLS only)."""
 import triton_python_backend_utils as pb_utils
 
-from eagle_serve import triton_utils as tu
-from eagle_serve.workers import TargetWorker
+from eagle_serve.triton_backend import io as tu
+from eagle_serve.triton_backend.workers import TargetWorker
 
 
 class TritonPythonModel:

@@ -2,13 +2,13 @@
 
 Stateless: the text of `output_ids` is decode(prev_ids + output_ids) minus decode(prev_ids),
 an incomplete UTF-8 tail held back unless finish_reason is non-empty (see
-eagle_serve.tokenization). Exactly one instance, so a stream's responses stay in order.
+eagle_serve.core.tokenization). Exactly one instance, so a stream's responses stay in order.
 """
 import json
 
-from eagle_serve import triton_utils as tu
+from eagle_serve.core.tokenization import decode_delta, load_tokenizer
 from eagle_serve.settings import tokenizer_dir
-from eagle_serve.tokenization import decode_delta, load_tokenizer
+from eagle_serve.triton_backend import io as tu
 
 
 class TritonPythonModel:

@@ -6,9 +6,9 @@ The checks and the encoding are triton_utils.prompt_ids, which spec_decode's dir
 """
 import json
 
-from eagle_serve import triton_utils as tu
+from eagle_serve.core.tokenization import load_tokenizer
 from eagle_serve.settings import chat_template_default, tokenizer_dir
-from eagle_serve.tokenization import load_tokenizer
+from eagle_serve.triton_backend import io as tu
 
 
 class TritonPythonModel:

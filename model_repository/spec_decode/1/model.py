@@ -1,20 +1,21 @@
-"""spec_decode: decoupled; hands each request to the engine thread (eagle_serve.service)."""
+"""spec_decode: decoupled; hands each request to the engine thread (eagle_serve.triton_backend.service)."""
 import json
 
 import triton_python_backend_utils as pb_utils
 from transformers import AutoConfig
 
-from eagle_serve import internal_key
-from eagle_serve import triton_utils as tu
-from eagle_serve.bls import BlsDrafter, BlsTarget
+from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
 from eagle_serve.engine import Engine
-from eagle_serve.lookup import load_corpus_index
-from eagle_serve.metrics import EngineMetrics
-from eagle_serve.service import SpecDecodeService
+from eagle_serve.kernels.warmup import warm_engine
+from eagle_serve.models.checkpoints import settings_dtype
 from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults
-from eagle_serve.tokenization import eos_token_ids, load_tokenizer
-from eagle_serve.workers import instance_device, log_warmup
-from kernels.warmup import warm_engine
+from eagle_serve.spec.lookup import load_corpus_index
+from eagle_serve.triton_backend import internal_key
+from eagle_serve.triton_backend import io as tu
+from eagle_serve.triton_backend.bls import BlsDrafter, BlsTarget
+from eagle_serve.triton_backend.metrics import EngineMetrics
+from eagle_serve.triton_backend.service import SpecDecodeService
+from eagle_serve.triton_backend.workers import instance_device, log_warmup
 
 
 class TritonPythonModel:
@@ -24,7 +25,7 @@ class TritonPythonModel:
         settings = ServingSettings.from_parameters(tu.model_parameters(config))
         target_dir, drafter_dir = settings.model_dirs(tu.repository_dir(args))
         device = instance_device(args)
-        dtype = settings.torch_dtype(device.type == "cuda", tu.repository_dir(args))
+        dtype = settings_dtype(settings, device.type == "cuda", tu.repository_dir(args))
         settings = settings.resolved(target_dir, dtype.itemsize)  # as eagle_target's
         print(f"spec_decode: {settings.kv_summary()}", flush=True)
         if device.type == "cpu":

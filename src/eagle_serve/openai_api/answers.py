@@ -7,9 +7,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+from eagle_serve.core.requests import TokenLogprob
 from eagle_serve.openai_api.protocol import Chunk, Counters
 from eagle_serve.openai_api.tool_parser import ToolCallParser, ToolDelta
-from eagle_serve.requests import TokenLogprob
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}  # spec_decode -> OpenAI
 FLOOR = -9999.0  # a logprob of -inf (a banned token) in JSON, as vLLM writes it

@@ -17,9 +17,9 @@ import tritonclient.grpc.aio as grpc_aio
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 
 from eagle_serve.client import grpc_inputs
+from eagle_serve.core.requests import TokenLogprob
+from eagle_serve.core.tokenization import decode_delta
 from eagle_serve.openai_api.protocol import Chunk, Counters, GenerateParams, OpenAIError
-from eagle_serve.requests import TokenLogprob
-from eagle_serve.tokenization import decode_delta
 
 MODEL = "spec_decode"
 CHANNEL_ARGS = [

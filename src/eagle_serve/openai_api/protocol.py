@@ -13,10 +13,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eagle_serve.core.requests import (
+    MAX_BAD_WORDS,
+    MAX_CACHE_SALT_BYTES,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    TO_THE_END,
+    TokenLogprob,
+    acceptance_length,
+)
 from eagle_serve.openai_api.tools import Tool, ToolChoice, choice_mode
 from eagle_serve.openai_api.tools import guide as guide_for_tools
-from eagle_serve.requests import (MAX_BAD_WORDS, MAX_CACHE_SALT_BYTES, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS,
-                                  MAX_TOP_LOGPROBS, TO_THE_END, TokenLogprob, acceptance_length)
 
 # Fields this server cannot honour -> the values that ask for nothing; others get a 400 naming
 # the field. The neutral values include what vllm-router adds to every request it forwards

@@ -16,7 +16,7 @@ import os
 import secrets
 import urllib.request
 import uuid
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator
@@ -26,15 +26,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from eagle_serve import paths
+from eagle_serve.core.tokenization import decode, encode_prompt, load_tokenizer, render_chat
+from eagle_serve.openai_api.answers import Answer, Choice
 from eagle_serve.openai_api.backend import SpecDecodeClient
+from eagle_serve.openai_api.protocol import (
+    MAX_TEXT_CHARS,
+    ChatCompletionRequest,
+    Chunk,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateParams,
+    OpenAIError,
+    SamplingRequest,
+    TokenizeRequest,
+)
 from eagle_serve.openai_api.tool_parser import ToolCallParser
 from eagle_serve.openai_api.tools import hermes_messages
-from eagle_serve.openai_api.answers import Answer, Choice
-from eagle_serve.openai_api.protocol import (MAX_TEXT_CHARS, ChatCompletionRequest, Chunk,
-                                             CompletionRequest, DetokenizeRequest, GenerateParams,
-                                             OpenAIError, SamplingRequest, TokenizeRequest)
 from eagle_serve.settings import model_context, read_settings, tokenizer_dir
-from eagle_serve.tokenization import decode, encode_prompt, load_tokenizer, render_chat
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle_serve.requests import SamplingParams
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.tokenization import encode_prompt
 
 
 def read_corpus(folder: Path) -> list[dict]:

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_serve.requests import SamplingParams, acceptance_length
+from eagle_serve.core.requests import SamplingParams, acceptance_length
+from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.settings import torch_dtype
-from eagle_serve.tokenization import encode_prompt
+from eagle_serve.models.checkpoints import torch_dtype
 
 
 def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,
@@ -53,8 +53,8 @@ def teacher_forced_accuracy(head_dir: Path, target_dir: Path, prompts: list[str]
     counts as a miss."""
     if dtype == "auto":
         dtype = str(torch_dtype("auto", target_dir=Path(target_dir))).removeprefix("torch.")
-    from eagle_serve.checkpoints import load_head
-    from eagle_serve.target import TargetModel
+    from eagle_serve.models.checkpoints import load_head
+    from eagle_serve.models.target import TargetModel
     from eagle_serve.train import trainer as T
     from eagle_serve.train.corpus import generate_corpus, read_corpus
 

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eagle_serve.checkpoints import save_head
-from eagle_serve.heads import EagleHead, eagle3_feature_layers, random_head
-from eagle_serve.interfaces import RaggedBatch
-from eagle_serve.kv_pages import PagePool
-from eagle_serve.target import TargetModel, load_target_config
+from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.models.checkpoints import save_head
+from eagle_serve.models.heads import EagleHead, eagle3_feature_layers, random_head
+from eagle_serve.models.target import TargetModel, load_target_config
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,121 @@
+"""Keep tritonserver serving: restart it when a model's Python process dies.
+
+Triton 2.51 does not restart a dead Python-backend stub (measured: after `eagle_target`'s stub
+was killed, every request failed with "Stub process ... is not healthy" while
+/v2/health/ready stayed 200). The supervisor runs tritonserver as a child, watches that every
+Python model of the repository has a live stub process, and on a death logs it, stops the
+server (open streams get an error and FINAL from spec_decode's shutdown) and starts it again.
+SIGTERM / SIGINT are passed on to the server, and the supervisor exits with it. `beside`
+runs a sibling process (the OpenAI-compatible server) for as long as the supervisor runs.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+
+from eagle_serve.server.processes import missing_stubs, python_models
+
+POLL_S = 1.0
+DEAD_GRACE_S = 5.0  # after a model process died, before stopping the server ourselves
+STOP_TIMEOUT_S = 20.0
+
+
+def log(message: str) -> None:
+    print(f"[supervisor {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def ready(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://localhost:{http_port}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def beside(cmd: list[str] | None, env: dict[str, str]):
+    """Run `cmd` (if any) as a sibling of tritonserver while the block runs: it is not
+    restarted with tritonserver (the OpenAI server reconnects by itself) and gets SIGTERM
+    when the block ends (Ctrl-C reaches it directly from the terminal)."""
+    if cmd is None:
+        yield None
+        return
+    log(f"starting {' '.join(cmd)}")
+    sibling = subprocess.Popen(cmd, env=env)
+    try:
+        yield sibling
+    finally:
+        if sibling.poll() is None:
+            sibling.send_signal(signal.SIGTERM)
+        try:
+            sibling.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            sibling.kill()
+            sibling.wait()
+
+
+def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
+              max_fast_failures: int = 3) -> int:
+    repo = Path(repo).resolve()
+    models = python_models(repo)
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    fast_failures = 0
+    while True:
+        child = subprocess.Popen(cmd, env=env)
+        died, was_ready = _watch(child, models, http_port, lambda: stopping)
+        if died:
+            log(f"model process(es) {died} died; restarting tritonserver")
+            try:  # spec_decode fails the open requests with the reason and stops the server
+                child.wait(DEAD_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.send_signal(signal.SIGTERM)
+        try:
+            code = child.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            code = child.wait()
+        if stopping:
+            return code
+        # a server that never got ready will not get ready by trying again and again; one that
+        # served and then stopped (spec_decode stops it when a model process is stuck) restarts
+        fast_failures = 0 if was_ready else fast_failures + 1
+        if fast_failures >= max_fast_failures:
+            log(f"tritonserver exited {fast_failures} times before it was ready; giving up")
+            return code or 1
+        log(f"tritonserver exited with code {code}; restarting")
+
+
+def _watch(child: subprocess.Popen, models: list[str], http_port: int,
+           stopping) -> tuple[list[str], bool]:
+    """Until the child exits or a stub dies (after the server was ready) -> the dead models,
+    and whether the server was ever ready."""
+    server = psutil.Process(child.pid)
+    was_ready = False
+    while child.poll() is None and not stopping():
+        time.sleep(POLL_S)
+        was_ready = was_ready or ready(http_port)
+        if was_ready:
+            dead = missing_stubs(server, models)
+            if dead:
+                time.sleep(POLL_S)  # confirm: not a stub in the middle of starting
+                dead = missing_stubs(server, models)
+                if dead:
+                    return dead, True
+    return [], was_ready
