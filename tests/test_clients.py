@@ -1,4 +1,4 @@
-"""The shipped clients run as users run them: generate.py and bench.py as subprocesses against
+"""The shipped clients run as users run them: generate.py and `eagle-serve bench` as subprocesses against
 the real server, locust through load_tests/run.sh, and the compose file's structure."""
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_serv
     server = tiny_server(triton_server, tiny_models, "eagle3")  # its default k is 3
     prompts = prompts_file(tmp_path)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    got = run([sys.executable, "clients/bench.py", "--prompts", str(prompts), "--max-tokens", "12",
+    got = run([sys.executable, "-m", "eagle_serve", "bench", "modes", "--prompts", str(prompts), "--max-tokens", "12",
                "--modes", ",".join(MODES), "--json", str(out), "--plot", str(png),
                "--url", server.grpc_url, "--metrics-url", server.metrics_url,
                "--concurrency", "1,2", "--target", str(tiny_models["target"]),
@@ -108,7 +108,7 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_le
     server = tiny_server(triton_server, tiny_models, "eagle3")
     prompts = prompts_file(tmp_path)
     out, png = tmp_path / "matrix.json", tmp_path / "matrix.png"
-    got = run([sys.executable, "clients/speedup_matrix.py", "--prompts", str(prompts),
+    got = run([sys.executable, "-m", "eagle_serve", "bench", "matrix", "--prompts", str(prompts),
                "--temperatures", "0", "0.7", "--concurrency", "1", "2", "--max-tokens", "8",
                "--url", server.grpc_url, "--json", str(out), "--plot", str(png)])
     assert got.returncode == 0, got.stderr[-3000:]
@@ -136,7 +136,7 @@ def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(tr
     server = tiny_server(triton_server, tiny_models, "eagle3")
     prompts = prompts_file(tmp_path)
     out, png = tmp_path / "curve.json", tmp_path / "curve.png"
-    got = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--max-tokens", "8",
+    got = run([sys.executable, "-m", "eagle_serve", "bench", "serve", "--prompts", str(prompts), "--max-tokens", "8",
                "--configs", "0", "default", "hf", "--url", server.grpc_url, "--json", str(out),
                "--plot", str(png), "--hf-target", str(tiny_models["target"]), "--hf-dtype", "float64"])
     assert got.returncode == 0, got.stderr[-3000:]
@@ -147,17 +147,16 @@ def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(tr
                for lo, hi in [results[c]["speedup_interval"]])
     assert all(results[c]["same_as_first"] == 2 for c in ("default", "hf"))  # float64: HF's tokens
     assert re.search(r"hf: +[0-9.]+ tok/s", got.stdout)
-    refused = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--configs",
+    refused = run([sys.executable, "-m", "eagle_serve", "bench", "serve", "--prompts", str(prompts), "--configs",
                    "0", "hf", "--concurrency", "2", "--url", server.grpc_url, "--json", str(out)])
     assert refused.returncode != 0 and "one stream" in refused.stderr
-    lone_mixed = run([sys.executable, "clients/speedup_curve.py", "--prompts", str(prompts), "--mixed",
+    lone_mixed = run([sys.executable, "-m", "eagle_serve", "bench", "serve", "--prompts", str(prompts), "--mixed",
                       "--temperature", "0.7", "--url", server.grpc_url, "--json", str(out)])
     assert lone_mixed.returncode != 0 and "--concurrency 2 or more" in lone_mixed.stderr
 
 
 def test_speedup_interval_resamples_the_groups_paired_across_configs():
-    sys.path.insert(0, str(ROOT / "clients"))
-    from speedup_curve import speedup_interval
+    from eagle_serve.bench.serve import speedup_interval
     base = [(64, 1.0), (64, 1.4), (32, 0.5), (64, 0.9), (64, 1.2), (48, 0.8)]
     # twice as fast on every group, however much the groups themselves drift: exactly 2x
     assert speedup_interval(base, [(n, s / 2) for n, s in base]) == pytest.approx((2.0, 2.0))
@@ -177,9 +176,7 @@ def test_speedup_interval_resamples_the_groups_paired_across_configs():
 
 
 def test_speculation_ceiling_bounds_chains_by_the_forwards_cost_of_their_rows():
-    sys.path.insert(0, str(ROOT / "clients"))
-    from speculation_ceiling import bound, ceilings, needed_acceptance
-    # one stream: a row beside another is free up to 2 rows; 4 streams: every row costs alike
+    from eagle_serve.bench.ceiling import bound, ceilings, needed_acceptance
     times = {(1, 0): 10.0, (1, 1): 10.0, (1, 2): 16.0, (4, 0): 20.0, (4, 1): 40.0, (4, 2): 60.0}
     assert bound(times, 1, 1.0, 0.0) == (2.0, 1)             # 2 tokens for the price of 1
     assert bound(times, 1, 0.5, 0.0) == (1.5, 1)
@@ -196,7 +193,7 @@ def test_speculation_ceiling_bounds_chains_by_the_forwards_cost_of_their_rows():
 
 
 def test_speculation_ceiling_times_the_default_targets_served_forward(tmp_path):
-    out = run([sys.executable, "clients/speculation_ceiling.py", "--streams", "1", "2", "--drafts", "0", "1",
+    out = run([sys.executable, "-m", "eagle_serve", "bench", "ceiling", "--streams", "1", "2", "--drafts", "0", "1",
                "--repeats", "1", "--speedups", "1.1", "--json", str(tmp_path / "c.json"),
                "--plot", str(tmp_path / "c.png")])
     assert out.returncode == 0, out.stderr
@@ -208,8 +205,7 @@ def test_speculation_ceiling_times_the_default_targets_served_forward(tmp_path):
 
 
 def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
-    sys.path.insert(0, str(ROOT / "clients"))
-    import bench
+    from eagle_serve.bench import modes as bench
     args = bench.parse_args(["--prompts", "p.jsonl", "--max-tokens", "8", "--json", "o.json",
                              "--modes", "vanilla,eagle,hf", "--draft-topk", "1,4",
                              "--draft-depth", "3"])
@@ -226,7 +222,7 @@ def test_bench_sweeps_draft_trees_with_the_same_greedy_output(triton_server, tin
     server = tiny_server(triton_server, tiny_models, "eagle3")
     prompts = prompts_file(tmp_path, ["Name a color.", "List three prime numbers."])
     out = tmp_path / "bench.json"
-    got = run([sys.executable, "clients/bench.py", "--prompts", str(prompts), "--max-tokens", "10",
+    got = run([sys.executable, "-m", "eagle_serve", "bench", "modes", "--prompts", str(prompts), "--max-tokens", "10",
                "--modes", "vanilla,eagle", "--json", str(out), "--url", server.grpc_url,
                "--metrics-url", server.metrics_url, "--k", "6", "--draft-topk", "1,3",
                "--draft-depth", "3", "--warmup", "0"])
@@ -311,8 +307,8 @@ def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
 
 def drafter_ab(tiny_models, tmp_path: Path, prompts: list[str], max_tokens: int, *args: str,
                drafters: tuple[str, ...] = ("eagle3",)) -> subprocess.CompletedProcess:
-    """clients/drafter_ab.py on the tiny target and these tiny drafters, over these prompts."""
-    return run([sys.executable, "clients/drafter_ab.py", "--prompts", str(prompts_file(tmp_path, prompts)), "--max-tokens", str(max_tokens),
+    """eagle-serve bench engine on the tiny target and these tiny drafters, over these prompts."""
+    return run([sys.executable, "-m", "eagle_serve", "bench", "engine", "--prompts", str(prompts_file(tmp_path, prompts)), "--max-tokens", str(max_tokens),
                 "--target", str(tiny_models["target"]), "--drafters", *(str(tiny_models[d]) for d in drafters),
                 *args])
 

@@ -17,7 +17,7 @@ PACKAGES = {"eagle_serve": ROOT / "src" / "eagle_serve"}
 # layer and those below it (the engine's core and its speculation use each other)
 LAYERS = [("paths", "settings"), ("kernels",), ("cpu",), ("core", "spec"), ("models",),
           ("engine", "local", "client", "testing"), ("triton_backend",), ("server",),
-          ("openai_api", "tools", "train", "__main__")]
+          ("openai_api", "bench", "tools", "train", "__main__")]
 TOKENIZER_ONLY = ["model_repository/preprocess/1/model.py", "model_repository/postprocess/1/model.py"]
 TORCH_FREE = ["eagle_serve.settings", "eagle_serve.core.tokenization", "eagle_serve.triton_backend.io",
               "eagle_serve.client", "eagle_serve.paths", "eagle_serve.core.requests",

@@ -6,7 +6,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from eagle_serve import paths
-from eagle_serve.settings import ServingSettings, read_settings, torch_dtype
+from eagle_serve.models.checkpoints import torch_dtype
+from eagle_serve.settings import ServingSettings, read_settings
 
 REPO = paths.REPO_ROOT / "model_repository"
 

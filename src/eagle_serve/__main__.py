@@ -1,20 +1,24 @@
-"""`python -m eagle_serve generate --prompt ...`: the engine in-process, no server.
+"""`eagle-serve COMMAND` (or `python -m eagle_serve COMMAND`):
 
-Prints the generated text, then tokens, acceptance length and tokens/s of each run, so
-speculative (k > 0) and plain (k = 0) decoding can be compared on the same weights.
+    generate --prompt ...   the engine in-process, no server: the text, then tokens, acceptance
+                            length and tokens/s of each run, speculative (k > 0) against plain
+    bench NAME [args]       a benchmark of eagle_serve.bench (NAME: see BENCHES)
+    soak | gpu-check | lookup | repo-config | train [args]   the tools below
 """
 from __future__ import annotations
 
 import argparse
+import runpy
+import sys
 import time
-
-from eagle_serve import paths
-from eagle_serve.core.requests import SamplingParams
-from eagle_serve.core.tokenization import encode_prompt
-from eagle_serve.local import build_local_engine
 
 
 def generate(args) -> None:
+    from eagle_serve import paths
+    from eagle_serve.core.requests import SamplingParams
+    from eagle_serve.core.tokenization import encode_prompt
+    from eagle_serve.local import build_local_engine
+
     target = paths.resolve_model_path(args.target)
     drafter = paths.resolve_model_path(args.drafter) if args.drafter != "none" else None
     engine = build_local_engine(target, drafter, dtype=args.dtype)
@@ -30,8 +34,49 @@ def generate(args) -> None:
               f"tokens/s={len(result.token_ids) / seconds:.1f} finish={result.finish_reason}\n")
 
 
+BENCHES = {  # name -> what it measures
+    "serve": "configs against a running server, interleaved per prompt group, with intervals",
+    "matrix": "every serving case (streams, greedy / sampled) against plain decoding",
+    "modes": "a running server against plain decoding and HF generate (and prompt lookup)",
+    "features": "requests with logprobs, penalties, JSON schemas: speculative against plain",
+    "long_prompts": "long prompts: cached and chunked prefill, other streams during one",
+    "engine": "drafters A/B in process (no server), greedy or sampled, with concurrency",
+    "forward": "the target's forward (linears, one-call stack) for 1-64 rows",
+    "profile": "where a decode or verify forward spends its time",
+    "ceiling": "the best speedup a head of given acceptance could reach on this machine",
+    "rounds": "one round's time split between verify and drafting",
+    "sampled": "sampled verification rules against each other",
+    "fidelity": "how close a dtype's activations are to float64's",
+}
+TOOLS = {"soak": "eagle_serve.tools.soak", "gpu-check": "eagle_serve.tools.gpu_check",
+         "lookup": "eagle_serve.spec.lookup", "repo-config": "eagle_serve.triton_backend.repo_config",
+         "train": "eagle_serve.train"}
+
+
+def run_module(module: str, prog: str, argv: list[str]) -> None:
+    """Run `module` as `python -m` would, with `argv` as its arguments."""
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle_serve")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":
+        if len(argv) < 2 or argv[1] not in BENCHES:
+            width = max(map(len, BENCHES))
+            listed = "\n".join(f"  {name:{width}}  {what}" for name, what in BENCHES.items())
+            print(f"usage: eagle-serve bench NAME [args] (NAME --help for its own)\n\n{listed}")
+            sys.exit(0 if len(argv) < 2 or argv[1] in ("-h", "--help") else 2)
+        run_module(f"eagle_serve.bench.{argv[1]}", f"eagle-serve bench {argv[1]}", argv[2:])
+        return
+    if argv and argv[0] in TOOLS:
+        run_module(TOOLS[argv[0]], f"eagle-serve {argv[0]}", argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="eagle-serve", epilog="also: bench NAME, " + ", ".join(TOOLS))
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text in-process")
     g.add_argument("--prompt", required=True)

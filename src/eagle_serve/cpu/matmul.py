@@ -3,7 +3,7 @@
 torch's default fp32 GEMM (MKL, what nn.Linear runs) is slow for the 2-9 rows a verify pass
 feeds per request; oneDNN's inner product called on dense tensors
 (`torch.ops.mkldnn._linear_pointwise`, the op torch.compile's CPU backend emits for linears) is
-fast for any row count, in fp32 and bf16 (`clients/forward_bench.py` measures both;
+fast for any row count, in fp32 and bf16 (`eagle-serve bench forward` measures both;
 docs/performance.md has the figures). `CpuLinear` runs that op for fp32 and bf16 (other dtypes,
 e.g. the float64 of the exactness tests, fall back to nn.functional.linear). Outputs equal
 nn.Linear's up to float rounding. GPU modules are left alone.

@@ -87,7 +87,7 @@ SOURCES = ("cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu_random.cpp", "c
 
 def build(folder: Path, suffix: str = ""):
     """Compile (or load from the extension cache) the kernels in `folder` (this one's, or
-    another revision's for an A/B: clients/forward_bench.py --kernels-from) for this CPU."""
+    another revision's for an A/B: eagle-serve bench forward --kernels-from) for this CPU."""
     from torch.utils.cpp_extension import load
 
     name, isa = ("eagle_cpu_kernels_avx512", ["-mavx512f", "-mavx512dq"]) if wide_linears() else ("eagle_cpu_kernels", [])

@@ -71,7 +71,7 @@ ACCEPT_PRIOR, PRIOR_WEIGHT, PROBE_EVERY, MAX_PROBE_WAIT, PROBE_BUDGET = 0.5, 4.0
 # A request probes only where its drafts would pay were they accepted PROBE_RATE of the time:
 # where even that would not pay (dear rows beside other requests), a probe only costs (a drafter
 # call that catches up on every position since the last, and a row). In process on the AVX-512
-# build (clients/drafter_ab.py --concurrency 4 / 8): 1.03x / 0.97x plain decoding, against 1.01x /
+# build (eagle-serve bench engine --concurrency 4 / 8): 1.03x / 0.97x plain decoding, against 1.01x /
 # 0.97x probing there too, within drift; the probes' catch-up calls are gone.
 PROBE_RATE = 0.9
 # With measured costs, a tree must promise MEASURED_MARGIN more than plain decoding (a share of

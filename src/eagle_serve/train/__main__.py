@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     e.add_argument("--max-tokens", type=int, default=96)
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
                    help="dtype of target and head, also of --teacher-forced's answers and features "
-                        "(auto: what the server runs, settings.torch_dtype)")
+                        "(auto: what the server runs, models.checkpoints.torch_dtype)")
     e.add_argument("--teacher-forced", type=Path, default=None, metavar="WORK",
                    help="instead: per-step accuracy along the target's greedy answers (cached in WORK, "
                         "one per dtype)")

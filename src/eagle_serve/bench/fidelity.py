@@ -1,7 +1,7 @@
 """How far the default target on 8-bit activations (`target_activations` int8) is from its fp32
 forward, in process (no server):
 
-    python clients/activation_fidelity.py --prompts clients/prompts/heldout.jsonl [--max-tokens 128]
+    eagle-serve bench fidelity --prompts clients/prompts/heldout.jsonl [--max-tokens 128]
 
 Each prompt's fp32 greedy answer (plain decoding) is read back by each forward at once
 (teacher-forced): the share of answer positions where its next-token argmax agrees with fp32's,

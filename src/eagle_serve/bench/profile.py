@@ -1,6 +1,6 @@
 """Where a target forward goes, in process (no server), with torch.profiler:
 
-    python clients/forward_profile.py [--dtype bfloat16] [--rows 1,5] [--context 200] [--steps 20]
+    eagle-serve bench profile [--dtype bfloat16] [--rows 1,5] [--context 200] [--steps 20]
                                       [--threads N]
 
 For the default target, one request at `context`, a forward of `rows` new tokens (1 = a decode

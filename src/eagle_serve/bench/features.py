@@ -1,7 +1,7 @@
 """Requests with logprobs and with penalties through the OpenAI endpoint of a running server,
 speculative against plain decoding (num_speculative_tokens 0), interleaved:
 
-    python -m eagle_serve.tools.request_bench --url http://localhost:9000 --json out/req.json --plot out/req.png
+    eagle-serve bench features --url http://localhost:9000 --json out/req.json --plot out/req.png
 
 Each prompt runs every configuration in turn (the order rotating from prompt to prompt), so
 drift of the machine falls on all of them alike. A configuration is a feature (none, logprobs

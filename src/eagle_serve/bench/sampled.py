@@ -1,6 +1,6 @@
 """Rejection sampling against coupled verification of sampled drafts, in process (no server):
 
-    python clients/sampled_verify.py --prompts clients/prompts/heldout.jsonl --num-prompts 8 \\
+    eagle-serve bench sampled --prompts clients/prompts/heldout.jsonl --num-prompts 8 \\
         --max-tokens 64 [--concurrency 4] --json docs/sampled_verify.json --plot docs/sampled_verify.png
 
 `sampled_verify` is a server setting, so one server cannot interleave the modes; in-process

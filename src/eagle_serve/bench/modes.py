@@ -1,6 +1,6 @@
 """Benchmark a running server against plain decoding and against Hugging Face `generate`.
 
-    python clients/bench.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
+    eagle-serve bench modes --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --modes vanilla,eagle,hf,hf-lookup --json out/bench.json --plot out/bench.png
 
 Modes: `vanilla` = the server with num_speculative_tokens 0 (the baseline every speedup is
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the server's)")
     p.add_argument("--target", default=str(paths.default_target_dir()), help="HF folder for hf modes")
     p.add_argument("--dtype", default="auto", help="hf modes: float32|float64|bfloat16|float16|auto "
-                   "(auto = what the server runs for this target, settings.torch_dtype)")
+                   "(auto = what the server runs for this target, models.checkpoints.torch_dtype)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10,
                    help="hf-lookup: prompt_lookup_num_tokens")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per mode first")
@@ -219,7 +219,7 @@ class HFRunner:
         from transformers import AutoModelForCausalLM
 
         from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
-        from eagle_serve.settings import torch_dtype
+        from eagle_serve.models.checkpoints import torch_dtype
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"

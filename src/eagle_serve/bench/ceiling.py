@@ -1,6 +1,6 @@
 """How much speculation can gain at most on this machine, by concurrency (in process, no server):
 
-    python clients/speculation_ceiling.py [--streams 1 2 4 8] [--drafts 0 1 2 3 4] [--context 200]
+    eagle-serve bench ceiling [--streams 1 2 4 8] [--drafts 0 1 2 3 4] [--context 200]
         [--temperature 0] [--overhead-ms 0 3] [--draft-ms 0] [--repeats 9] [--speedups 1.3 1.8]
         [--json F.json] [--plot F.png]
 
@@ -33,8 +33,8 @@ from eagle_serve import paths
 from eagle_serve.core.interfaces import RaggedBatch, RowSampling
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.tokenization import encode_prompt, load_tokenizer
+from eagle_serve.models.checkpoints import torch_dtype
 from eagle_serve.models.target import TargetModel
-from eagle_serve.settings import torch_dtype
 
 PAGE = 16  # tokens a KV page
 ACCEPTANCE = (0.5, 0.8, 1.0)  # ~this project's lookups and head / published heads / every draft

@@ -1,7 +1,7 @@
 """Long prompts through the OpenAI endpoint of a running server: prefix cache, chunked prefill,
 the whole context. Three measurements, each printed, in the JSON and in the PNG:
 
-    python -m eagle_serve.tools.long_prompts --url http://localhost:9000 --json out/long.json --plot out/long.png
+    eagle-serve bench long_prompts --url http://localhost:9000 --json out/long.json --plot out/long.png
 
 1. cached prefix: the time to first token of a chat whose ~1,400-token system prompt is cached,
    against the same text sent cold (a new `cache_salt` each pair: nothing cached), in turn;

@@ -1,6 +1,6 @@
 """In-process timings of the CPU linears and the target forward (no server):
 
-    python clients/forward_bench.py [--linears-only | --target-only] [--context N]
+    eagle-serve bench forward [--linears-only | --target-only] [--context N]
                                     [--kernels-from REV] [--rows 1 2 3 ...] [--repeats N]
 
 Prints the time of one pass through the linears of SmolLM2-135M's 30 layers + LM head for 1 to
@@ -29,16 +29,16 @@ import time
 from pathlib import Path
 
 import torch
-from forward_profile import decode_batch  # this script's folder is on sys.path
 from torch import nn
 
 from eagle_serve import paths
+from eagle_serve.bench.profile import decode_batch
 from eagle_serve.cpu.matmul import CpuLinear, native_bf16, onednn_bf16
 from eagle_serve.cpu.quant import block_form, int8_activations_run
 from eagle_serve.kernels.cpu import amx_tiles, build, cpu_kernels, without_amx_tiles
 from eagle_serve.models import cpu_stack
+from eagle_serve.models.checkpoints import torch_dtype
 from eagle_serve.models.target import TargetModel
-from eagle_serve.settings import torch_dtype
 from eagle_serve.testing import gguf_weight
 
 

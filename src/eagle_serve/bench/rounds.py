@@ -1,6 +1,6 @@
 """Where a round's time goes, per draft shape: Triton's per-model metrics around a run.
 
-    python clients/round_split.py --prompts clients/prompts/heldout.jsonl --num-prompts 10 \
+    eagle-serve bench rounds --prompts clients/prompts/heldout.jsonl --num-prompts 10 \
         --configs 0 1 2 6x3x3
 
 For each config (as in speedup_curve.py: `K` or `KxTOPKxDEPTH`) the prompts are sent one at a
@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from speedup_curve import parse_config  # this script's folder is on sys.path
-
+from eagle_serve.bench.serve import parse_config
 from eagle_serve.client import grpc_generate, metrics
 from eagle_serve.core.requests import acceptance_length
 from eagle_serve.paths import read_prompts

@@ -1,6 +1,6 @@
 """Speedup of speculative decoding against plain decoding on the same server, per draft shape.
 
-    python clients/speedup_curve.py --prompts clients/prompts/heldout.jsonl --max-tokens 64 \\
+    eagle-serve bench serve --prompts clients/prompts/heldout.jsonl --max-tokens 64 \\
         --configs 0 1 2 3 4 6 4x2x3 --json out/curve.json --plot out/curve.png
 
 A config is `K` (a chain of K drafts; 0 = plain decoding), `KxTOPKxDEPTH` (a dynamic draft
@@ -71,7 +71,7 @@ def parse_config(text: str) -> dict:
 def hf_peer(folder: str, dtype: str):
     """-> generate(prompt, max_tokens, temperature=0, seed=None, ...) -> Generation, through
     transformers' generate on the target `folder` in `dtype`."""
-    from bench import HFRunner  # this script's folder is on sys.path
+    from eagle_serve.bench.modes import HFRunner
 
     runner = HFRunner(folder, dtype)
 

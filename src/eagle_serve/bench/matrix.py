@@ -1,7 +1,7 @@
 """Speculative against plain decoding in every serving case: greedy and sampled, 1/4/8 streams,
 64 and 128 tokens, and greedy and sampled streams mixed in one batch, through a running server.
 
-    python clients/speedup_matrix.py --prompts clients/prompts/heldout.jsonl \\
+    eagle-serve bench matrix --prompts clients/prompts/heldout.jsonl \\
         --json docs/matrix.json --plot docs/matrix.png
 
 Each case runs speedup_curve.measure: the prompts go in groups of the case's concurrency, each
@@ -29,8 +29,7 @@ import itertools
 import json
 from pathlib import Path
 
-from speedup_curve import LEVEL, by_kind, interval, interval_errors, measure  # this script's folder is on sys.path
-
+from eagle_serve.bench.serve import LEVEL, by_kind, interval, interval_errors, measure
 from eagle_serve.paths import read_prompts
 
 TEMPERATURES = (0.0, 0.7)

@@ -4,7 +4,7 @@ and its corpus-index.npz if it has one) in turn, greedy (or --temperature T: sam
 prompt with its own seed, so under the shipped coupled verification every config's output must
 still be plain sampling's; `--policy sampled_verify=rejection` configs draw other tokens).
 
-    python clients/drafter_ab.py --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
+    eagle-serve bench engine --prompts clients/prompts/heldout.jsonl --max-tokens 128 \\
         --drafters drafters/eagle3-SmolLM2-135M-Instruct OTHER_FOLDER [--concurrency 4] [--every-logit] \\
         [--kernels-from REV] [--fma-kernels] [--policy max_draft_batch=0 [lookup_tokens=8 ...]] \\
         [--temperature 0.7]
@@ -19,7 +19,7 @@ tokens from every logit of the LM head instead of the screened few (eagle_serve.
 the same tokens, the screen's gain.
 --kernels-from REV adds plain decoding and the first drafter on the same engine with the layers
 (the decoder stack, eagle_serve.models.cpu_stack) run by git revision REV's C++ kernels: a kernel
-change's gain on whole requests, where clients/forward_bench.py times single forwards.
+change's gain on whole requests, where eagle-serve bench forward times single forwards.
 --fma-kernels adds plain decoding and the first drafter on a second engine whose target runs
 its Q4_1 linears on cpu.cpp's FMA kernels instead of AMX tiles (on CPUs with them,
 eagle_serve/kernels/cpu_amx.cpp); its outputs are compared with its own plain decoding's.
@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from forward_bench import kernels_at
 from tqdm import tqdm
 
 from eagle_serve import paths
+from eagle_serve.bench.forward import kernels_at
 from eagle_serve.core.requests import SamplingParams, acceptance_length
 from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.cpu.argmax import ScreenedArgmax
