@@ -164,6 +164,10 @@ class ServerPool:
         return self.servers[name]
 
     def close(self) -> None:
+        """Every server stopped, all at once (each may take seconds to drain)."""
+        for server in self.servers.values():
+            if server.process.poll() is None:
+                _signal_group(server.process.pid, signal.SIGTERM)
         for server in self.servers.values():
             server.stop()
         self.servers.clear()
