@@ -1,17 +1,24 @@
 """Shared fixtures. `triton_server(name, models=None, overrides=None, model_config_name=None)`
 starts (once per name and session) the real tritonserver on a copy of model_repository/ and
-returns a `server.TritonServer` (http_url, grpc_url, metrics_url, log_path, repo). A failing
+returns a `triton_pool.TritonServer` (http_url, grpc_url, metrics_url, log_path, repo). A failing
 test that used one gets the tail of its log in the report. `tiny_models` are the float64 tiny
-Llama (with the default model's tokenizer) and its random heads that `server.tiny_server`
+Llama (with the default model's tokenizer) and its random heads that `triton_pool.tiny_server`
 serves (exact greedy equality holds). `kernels_on_cpu` sends every kernel dispatcher down its
 GPU path (the Triton kernel, through the interpreter).
 """
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernel tests
+# the test folders mirror the package's layers; a module may import another's helpers by name
+sys.path[:0] = [str(d) for d in sorted(Path(__file__).parent.iterdir())
+                if d.is_dir() and not d.name.startswith(("_", "."))]
+
+import random  # noqa: E402
 
 import pytest  # noqa: E402
-from server import ServerPool, TritonServer  # noqa: E402
+from triton_pool import ServerPool, TritonServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +66,48 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"tritonserver '{server.name}' log tail ({server.log_path})",
                                     server.log_tail()))
     return report
+
+
+# tiny float64 models shared by the engine tests (built once per run, no downloads)
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    from eagle_serve.testing import make_tiny_llama
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="session")
+def eagle1_head(tmp_path_factory, tiny_target):
+    from eagle_serve.testing import make_random_head
+    return make_random_head(tmp_path_factory.mktemp("h1") / "eagle1", tiny_target, 1, fc_bias=True)
+
+
+@pytest.fixture(scope="session")
+def eagle3_head(tmp_path_factory, tiny_target):
+    from eagle_serve.testing import make_random_head
+    return make_random_head(tmp_path_factory.mktemp("h3") / "eagle3", tiny_target, 3,
+                            draft_vocab_size=4096)
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """8 prompts of mixed lengths (3 .. 45 tokens)."""
+    rng = random.Random(1234)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 45, 17, 8, 30, 5, 22, 11)]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_target):
+    """HF transformers `generate`, greedy, on the same float64 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle_serve import testing
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float64).eval()
+    cache: dict[tuple, list[int]] = {}
+
+    def run(prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in cache:
+            cache[key] = testing.hf_generate_greedy(model, prompt, max_new_tokens)
+        return cache[key]
+    return run

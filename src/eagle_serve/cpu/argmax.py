@@ -23,7 +23,7 @@ x_j to da_b * qa_j, da_b = amax_b / 127, |x_j - da_b qa_j| <= da_b / 2 up to fp3
 with A_vb = sum_j |w_vbj|: the activations' rounding, then both sums' fp32 accumulation over K
 inputs (K 2^-24 of sum |w x| each), then the fp32 rounding of the 8-bit kernel's block sums
 (integers up to 255 * 127 * 32, scaled by d and offset by m); it is used twice over, so a wrong
-token can only be kept, never the right one dropped (tests/engine/test_cpu_argmax.py checks the
+token can only be kept, never the right one dropped (tests/cpu/test_cpu_argmax.py checks the
 result against the full head's argmax, near ties and exact ties included).
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ import concurrent.futures as futures
 import time
 
 import pytest
-from server import tiny_server  # the tiny_models fixture lives in conftest.py
+from triton_pool import tiny_server  # the tiny_models fixture lives in conftest.py
 
 from eagle_serve.client import grpc_generate, http_generate, http_generate_stream, metrics
 from eagle_serve.core.requests import SamplingParams

@@ -67,8 +67,8 @@ def test_the_avx2_build_gives_the_same_guarantees_where_avx512_is_the_default():
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", "not avx2_build",
-         "tests/engine/test_cpu_quant.py", "tests/engine/test_cpu_matmul.py",
-         "tests/engine/test_int8_activations.py", "tests/engine/test_cpu_argmax.py"],
+         "tests/cpu/test_cpu_quant.py", "tests/cpu/test_cpu_matmul.py",
+         "tests/cpu/test_int8_activations.py", "tests/cpu/test_cpu_argmax.py"],
         cwd=root, env={**os.environ, "EAGLE_CPU_ISA": "avx2"}, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
@@ -105,7 +105,7 @@ def test_fused_gguf_linears_find_their_blocks_and_their_parts_are_not_searched()
 
 def test_the_default_gguf_target_runs_every_linear_on_its_blocks_with_unchanged_bits(monkeypatch):
     """(on the FMA kernels: AMX tiles, where the CPU has them, sum in another order:
-    tests/engine/test_amx_tiles.py)"""
+    tests/cpu/test_amx_tiles.py)"""
     if not (paths.default_target_dir() / "config.json").exists():
         pytest.skip("default model not converted (run make setup)")
     monkeypatch.setenv("EAGLE_CPU_AMX", "0")

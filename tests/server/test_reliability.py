@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from server import CHAINS, tiny_server
+from triton_pool import CHAINS, tiny_server
 
 from eagle_serve.client import grpc_generate, http_generate, metrics
 from eagle_serve.tools.soak import run_soak

@@ -1,5 +1,5 @@
 """Linears on 8-bit activations (eagle_serve/kernels/cpu_i8.cpp, llama.cpp's arithmetic; AVX512-VNNI or
-AVX2, whichever this build runs: tests/engine/test_cpu_quant.py runs this file on the AVX2 build
+AVX2, whichever this build runs: tests/cpu/test_cpu_quant.py runs this file on the AVX2 build
 too): each output is the exact integer sum of each block, scaled, whatever the other rows and
 threads, so verification still reproduces decoding; the drafter runs them by default, the target
 where asked."""

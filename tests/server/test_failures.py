@@ -8,7 +8,7 @@ import warnings
 
 import psutil
 import pytest
-from server import serve_tiny, wait_until
+from triton_pool import serve_tiny, wait_until
 
 from eagle_serve.client import grpc_generate, http_generate
 from eagle_serve.server.processes import model_processes

@@ -20,9 +20,9 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from server import TritonServer, free_ports, serve_tiny, tiny_server
-from server import wait_until as server_wait_until
 from test_reliability import tight_server
+from triton_pool import TritonServer, free_ports, serve_tiny, tiny_server
+from triton_pool import wait_until as server_wait_until
 
 from eagle_serve.client import grpc_generate, metrics
 from eagle_serve.core.tokenization import decode, encode_prompt, load_tokenizer, render_chat

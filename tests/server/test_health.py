@@ -9,7 +9,7 @@ import urllib.request
 
 import psutil
 import pytest
-from server import free_ports, launch, wait_until
+from triton_pool import free_ports, launch, wait_until
 
 from eagle_serve import paths
 from eagle_serve.server.processes import model_processes

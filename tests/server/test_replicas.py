@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from server import free_ports, wait_until
 from test_openai_server import get
+from triton_pool import free_ports, wait_until
 
 from eagle_serve import paths
 from eagle_serve.server.processes import find_server

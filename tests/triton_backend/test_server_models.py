@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from server import CHAINS
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from triton_pool import CHAINS
 
 from eagle_serve import paths
 from eagle_serve.client import grpc_generate
@@ -58,7 +58,7 @@ def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_mode
     config.pbtxt still names the default one, and the output is the tiny model's."""
     import re
 
-    from server import launch
+    from triton_pool import launch
 
     from eagle_serve.core.requests import SamplingParams
     from eagle_serve.testing import tiny_engine

@@ -24,7 +24,7 @@ from packaging.version import Version
 from eagle_serve.server import serve
 from eagle_serve.server.serve import CONTAINER_TREE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "gpu-stack.md").read_text()
 
 

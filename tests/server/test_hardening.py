@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from server import CHAINS, tiny_server
+from triton_pool import CHAINS, tiny_server
 
 from eagle_serve.client import grpc_generate
 

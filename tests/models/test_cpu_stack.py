@@ -1,5 +1,5 @@
 """An EAGLE head's layers in one C++ call (eagle_serve.models.cpu_stack.head_stack) draft exactly what
-its Python loop drafts. (The target's stack: tests/engine/test_architectures.py.)"""
+its Python loop drafts. (The target's stack: tests/models/test_architectures.py.)"""
 from __future__ import annotations
 
 import pytest

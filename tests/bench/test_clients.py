@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from server import tiny_server
+from triton_pool import tiny_server
 
 from eagle_serve import paths
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server import tiny_server
+from triton_pool import tiny_server
 
 from eagle_serve.client import metrics
 from eagle_serve.core.requests import SamplingParams
