@@ -50,6 +50,8 @@ from eagle_serve.spec.proposals import propose_drafts
 from eagle_serve.spec.verify import DraftWork, EngineStats
 
 log = logging.getLogger(__name__)
+MAX_ISOLATIONS = 3  # batch failures a request may be in before it fails (its own rounds passed)
+SOLO_ROUNDS = 2     # rounds a suspect runs alone at most when it verifies no drafts in them
 
 
 class EngineBusy(RuntimeError):
@@ -179,6 +181,7 @@ class Engine:
 
     def _verify(self, reqs: list[Request]) -> list[DraftWork]:
         """The target forward of a round and its acceptance -> drafter work."""
+        drafted = [bool(r.drafts) for r in reqs]
         try:
             vb = verify.build_verify_batch(reqs, self.target_pool, self.device,
                                            self.config.eos_token_ids)
@@ -205,8 +208,10 @@ class Engine:
         except Exception as error:  # noqa: BLE001: a model call failed for this batch
             self._model_failed(reqs, "eagle_target", error)
             return []
-        for req in reqs:
-            if not req.k or req.finish_reason:  # a whole round of its own: nothing to draft
+        if len(reqs) == 1 and reqs[0].suspect:  # a round of its own succeeded
+            req = reqs[0]
+            req.solo_rounds += 1
+            if drafted[0] or not req.k or req.finish_reason or req.solo_rounds >= SOLO_ROUNDS:
                 req.suspect = False
         return work
 
@@ -222,7 +227,6 @@ class Engine:
                 propose_drafts(work, self.drafter, self.policy, self.drafter_pool,
                                self.workspace, len(self.running), self.device)
                 for w in work:
-                    w.req.suspect = False
                     self.scheduler.prefix.publish(w.req)
             except KVLost:
                 self._preempt_all()
@@ -238,14 +242,20 @@ class Engine:
     def _model_failed(self, reqs: list[Request], model: str, error: Exception) -> None:
         """A model call failed for `reqs`. Alone, the request fails with a generic message (the
         details go to the log under an error id); in a batch, every request of it runs alone
-        until one of its rounds succeeds, so only the culprit fails."""
-        if len(reqs) == 1:
-            error_id = uuid.uuid4().hex[:12]
-            log.error("request %s failed in %s (error id %s): %s", reqs[0].id, model, error_id,
-                      error, exc_info=error)
-            reqs[0].fail(f"internal error while serving request {reqs[0].id} (error id "
+        until a round of its own verified its drafts, so only the culprit fails. A request whose
+        batches failed MAX_ISOLATIONS times while it passed alone fails then: a failure that only
+        a batch brings about would otherwise repeat for as long as it runs."""
+        hopeless = [r for r in reqs if r.isolations >= MAX_ISOLATIONS]  # (batches fail, alone not)
+        if len(reqs) == 1 or hopeless:
+            for req in reqs if len(reqs) == 1 else hopeless:
+                error_id = uuid.uuid4().hex[:12]
+                log.error("request %s failed in %s (error id %s): %s", req.id, model, error_id,
+                          error, exc_info=error)
+                req.fail(f"internal error while serving request {req.id} (error id "
                          f"{error_id}); the server log has the details", "INTERNAL", error)
-            return
+            reqs = [r for r in reqs if not r.error]
+            if not reqs:
+                return
         log.warning("%s failed for a batch of %d requests (%s); retrying each alone", model,
                     len(reqs), error)
         self.scheduler.isolate(reqs)

@@ -202,3 +202,37 @@ def test_max_tokens_minus_one_runs_to_the_end_of_the_context_or_of_the_cache(tin
     assert len(prompt) + len(result.token_ids) == 64 - (3 + 1)  # the pool less one round's drafts
     with pytest.raises(ValueError, match="max_model_len"):  # no room left for output
         context.add_request(list(range(3, 43)), SamplingParams(max_tokens=TO_THE_END))
+
+
+def test_a_failure_only_batches_bring_about_ends_its_requests_after_a_few_isolations(
+        tiny_target, eagle3_head, prompts):
+    """A target call that fails whenever two requests verify drafts together (each passes
+    alone): the batch is isolated, each request verifies its drafts alone and rejoins, and
+    after MAX_ISOLATIONS such failures its requests fail with an internal error instead of
+    looping; nothing leaks, and what did finish equals plain decoding."""
+    from eagle_serve.engine import MAX_ISOLATIONS
+    engine = tiny_engine(tiny_target, eagle3_head, max_running=4)
+    idle = engine.idle_counts()
+    plain = [r.token_ids for r in engine.generate(prompts[:3], SamplingParams(max_tokens=40, num_speculative_tokens=0))]
+    forward, failures = engine.target.forward, []
+
+    def flaky(batch, logit_rows, sampling, **kw):
+        requests = len(batch.cu_seqlens) - 1
+        if requests > 1 and logit_rows.numel() > requests:  # drafts of several requests
+            failures.append(requests)
+            raise RuntimeError("a kernel that breaks on this batch shape")
+        return forward(batch, logit_rows, sampling, **kw)
+    engine.target.forward = flaky
+    params = SamplingParams(max_tokens=40, num_speculative_tokens=3, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts[:3]]
+    tokens, errors = {i: [] for i in ids}, {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.error:
+                errors[out.request_id] = out.error
+    assert 0 < len(failures) <= MAX_ISOLATIONS + 1
+    assert errors and all("internal error" in e for e in errors.values())
+    for i, want in zip(ids, plain):  # what was streamed is plain decoding's
+        assert tokens[i] == want[:len(tokens[i])] and (i in errors or tokens[i] == want)
+    assert engine.idle_counts() == idle

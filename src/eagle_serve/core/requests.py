@@ -199,7 +199,9 @@ class Request:
     admitted: bool = False          # has been in the running batch
     queued_s: float = 0.0           # arrival to first admission
     suspect: bool = False           # was in a batch whose model call failed: runs alone until a
-    #                                 round of its own succeeds
+    #                                 round of its own verifies its drafts (engine.SOLO_ROUNDS)
+    isolations: int = 0             # times a batch it was in failed (engine.MAX_ISOLATIONS)
+    solo_rounds: int = 0            # rounds run alone since the last isolation
     num_computed: int = 0           # positions in the target's KV
     draft_computed: int = 0         # positions in the drafter's KV
     chunk: int | None = None        # this round computes at most this many of its uncomputed

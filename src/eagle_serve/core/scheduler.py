@@ -10,8 +10,9 @@ pages of its prefix (eagle_serve.core.prefix_cache). Chunked prefill: a round co
 uncomputed tokens of prompts (or recomputes) in arrival order, so a long prompt is computed over
 several rounds while the other streams go on. It also retires requests: finished, cancelled, expired
 (queue time, deadline) or failed. After a model call failed for a batch, the requests of that
-batch are `suspect`: each runs a round alone (the others wait) until one succeeds, so a
-request that breaks a model call fails alone.
+batch are `suspect`: each runs alone (the others wait) until a round of its own verified its
+drafts, so a request that breaks a model call fails alone (a failure that only a batch
+brings about fails its requests after a few isolations: engine.MAX_ISOLATIONS).
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ class Scheduler:
         """A model call failed for this batch: recompute each of its requests (a partial forward
         may have written KV) in a round of its own."""
         for req in reqs:
-            req.suspect = True
+            req.suspect, req.solo_rounds = True, 0
+            req.isolations += 1
             if req in self.running:
                 self.preempt(req)
 
