@@ -122,6 +122,18 @@ def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
         settings_dtype(ServingSettings(dtype="float64"), True, REPO)
 
 
+def test_auto_is_float16_on_a_gpu_without_bfloat16_arithmetic(monkeypatch):
+    import torch
+
+    from eagle_serve.models.checkpoints import torch_dtype
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, want in (((7, 5), torch.float16), ((7, 0), torch.float16), ((8, 0), torch.bfloat16),
+                             ((8, 9), torch.bfloat16), ((9, 0), torch.bfloat16), ((10, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        assert torch_dtype("auto", True) == want, capability
+    assert torch_dtype("bfloat16", True) == torch.bfloat16  # asked for: as asked
+
+
 def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
     """What tritonserver's auto-complete step makes of a model config (as the JSON dict a model
     gets): the model's own auto_complete_config applied through the python backend's real

@@ -246,7 +246,8 @@ def save_head(head: EagleHead, folder: str | Path, fmt: str = "safetensors",
 
 
 def torch_dtype(name: str, on_gpu: bool = False, target_dir: Path | None = None):
-    """A dtype name of the settings -> torch dtype. auto: bfloat16 on GPU; on CPU bfloat16 where
+    """A dtype name of the settings -> torch dtype. auto: on a GPU bfloat16, float16 below sm80
+    (a T4 or V100 has no bfloat16 arithmetic; without a visible GPU, bfloat16); on CPU bfloat16 where
     the CPU computes it natively (AVX512-BF16/AMX), unless the target's weights are exact GGUF
     blocks (`cpu.quant.holds_blocks`), else float32. float32 runs the CPU kernels on those blocks
     and the layers in one C++ call: the default target's decode step took 15.6 ms in fp32 against
@@ -254,14 +255,15 @@ def torch_dtype(name: str, on_gpu: bool = False, target_dir: Path | None = None)
     bf16 (docs/performance.md)."""
     if name == "auto":
         if on_gpu:
-            return torch.bfloat16
+            old_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0)
+            return torch.float16 if old_gpu else torch.bfloat16
         blocks = target_dir is not None and holds_blocks(target_dir)
         return torch.bfloat16 if native_bf16() and not blocks else torch.float32
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
     if on_gpu and name == "float64":  # the attention kernel accumulates in float32
         raise ValueError("dtype float64 runs on CPU instances only; on a GPU use auto "
-                         "(bfloat16), float16 or float32")
+                         "(bfloat16; float16 below sm80), float16 or float32")
     return getattr(torch, name)
 
 
