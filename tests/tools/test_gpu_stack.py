@@ -129,6 +129,36 @@ def test_the_image_runs_the_supervisor_on_the_gpu_configs():
     assert health and json.loads(health[1])[:3] == ["python3", "-m", "eagle_serve.server.health"]
 
 
+def test_every_module_the_image_runs_exists():
+    """The modules and names of every `python3 -c` and `python3 -m` in the Dockerfile resolve."""
+    import ast
+    import importlib
+    import importlib.util
+
+    text = dockerfile().replace("\\\n", " ")
+    snippets = re.findall(r'python3 -c "([^"]+)"', text)
+    modules = re.findall(r'python3", "-m", "([\w.]+)"', text) + re.findall(r"python3 -m ([\w.]+)", text)
+    assert snippets and modules
+    for code in snippets:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name) or importlib.util.find_spec(
+                        f"{node.module}.{alias.name}"), f"{node.module}.{alias.name}"
+    for name in modules:
+        assert importlib.util.find_spec(name), name
+
+
+def test_the_image_builds_the_cpu_kernels_for_the_isa_it_runs_with():
+    text = dockerfile()
+    assert re.search(r"apt-get install .*\bg\+\+.*\bninja-build\b.*\bpython3-dev\b", text)
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(re.findall(r"^ENV (.*)$", text, re.M))))
+    assert env["EAGLE_CPU_ISA"] == "avx2" and env["TORCH_EXTENSIONS_DIR"].startswith("/opt/eagle-serve/")
+    build = text.index("cpu_kernels() is not None")
+    assert text.index("EAGLE_CPU_ISA=avx2") < build and text.index("pip install --no-deps -e .") < build
+
+
 def test_the_image_installs_the_gpu_pins():
     assert re.search(r"^RUN pip install -r requirements-gpu\.txt", dockerfile(), re.M)
     assert "COPY requirements-gpu.txt" in dockerfile()
