@@ -19,7 +19,7 @@ LAYERS = [("paths", "settings"), ("kernels",), ("cpu",), ("core", "spec"), ("mod
           ("engine", "local", "client", "testing"), ("triton_backend",), ("server",),
           ("openai_api", "bench", "tools", "train", "__main__")]
 TOKENIZER_ONLY = ["model_repository/preprocess/1/model.py", "model_repository/postprocess/1/model.py"]
-TORCH_FREE = ["eagle_serve.settings", "eagle_serve.core.tokenization", "eagle_serve.triton_backend.io",
+TORCH_FREE = ["eagle_serve.settings", "eagle_serve.core.tokenization", "eagle_serve.triton_backend.io", "eagle_serve.triton_backend.client_request",
               "eagle_serve.client", "eagle_serve.paths", "eagle_serve.core.requests",
               "eagle_serve.server.serve", "eagle_serve.server.supervisor", "eagle_serve.server.health",
               "eagle_serve.server.processes", "eagle_serve.openai_api.server", "eagle_serve.server.replicas"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import inspect
 
-import kernels
 import pytest
 import torch
 
+from eagle_serve import kernels
 from eagle_serve.engine import SamplingParams
 from eagle_serve.kernels import paged_attention, rejection, sampling, warmup, workspace
 from eagle_serve.local import build_local_engine

@@ -117,7 +117,7 @@ def test_the_models_generation_config_gives_the_defaults_of_unset_inputs(pb, tmp
     import json
 
     from eagle_serve.settings import generation_defaults
-    from eagle_serve.triton_backend.service import read_params
+    from eagle_serve.triton_backend.client_request import read_params
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64,
          "do_sample": True, "eos_token_id": 2}))

@@ -8,6 +8,7 @@ import json
 
 from eagle_serve.core.tokenization import decode_delta, load_tokenizer
 from eagle_serve.settings import tokenizer_dir
+from eagle_serve.triton_backend import client_request as cr
 from eagle_serve.triton_backend import io as tu
 
 
@@ -28,16 +29,16 @@ class TritonPythonModel:
     def detokenize(self, request):
         new_ids = self.ids(request, "output_ids", required=True)
         prev_ids = self.ids(request, "prev_ids")
-        final = bool(tu.text(request, "finish_reason", default=""))
+        final = bool(cr.text(request, "finish_reason", default=""))
         text = decode_delta(self.tokenizer, prev_ids, new_ids, final, self.skip_special_tokens)
         return [tu.text_tensor("text_output", text)]
 
     def ids(self, request, name, required=False):
-        values = tu.row(request, name, required)
+        values = cr.row(request, name, required)
         if values is None:
             return []
         bad = values[(values < 0) | (values >= self.vocab_size)]
         if bad.size:
-            raise tu.RequestError(f"input '{name}' holds ids outside the vocabulary "
+            raise cr.RequestError(f"input '{name}' holds ids outside the vocabulary "
                                   f"[0, {self.vocab_size}): {bad[:8].tolist()}")
         return values.tolist()

@@ -8,6 +8,7 @@ import json
 
 from eagle_serve.core.tokenization import load_tokenizer
 from eagle_serve.settings import chat_template_default, tokenizer_dir
+from eagle_serve.triton_backend import client_request as cr
 from eagle_serve.triton_backend import io as tu
 
 
@@ -24,6 +25,6 @@ class TritonPythonModel:
         return tu.respond_each(requests, self.encode)
 
     def encode(self, request):
-        ids = tu.prompt_ids(request, self.tokenizer, self.max_input_bytes,
+        ids = cr.prompt_ids(request, self.tokenizer, self.max_input_bytes,
                             apply_chat_template=self.apply_chat_template)
         return [tu.ids_tensor("input_ids", ids)]

@@ -33,9 +33,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eagle_serve.cpu.matmul import native_bf16, round_linears_to_q8_0, use_cpu_linears, use_int8_activations
+from eagle_serve.cpu import matmul as cpu_matmul
+from eagle_serve.cpu import quant as cpu_quant
+from eagle_serve.cpu.matmul import round_linears_to_q8_0, use_cpu_linears, use_int8_activations
 from eagle_serve.cpu.norm import use_cpu_norms
-from eagle_serve.cpu.quant import holds_blocks, int8_activations_run
+from eagle_serve.cpu.quant import int8_activations_run
 from eagle_serve.models.cpu_stack import head_stack
 from eagle_serve.models.drafter import Drafter
 from eagle_serve.models.heads import HEAD_KINDS, EagleHead, HeadSpec
@@ -257,8 +259,8 @@ def torch_dtype(name: str, on_gpu: bool = False, target_dir: Path | None = None)
         if on_gpu:
             old_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0)
             return torch.float16 if old_gpu else torch.bfloat16
-        blocks = target_dir is not None and holds_blocks(target_dir)
-        return torch.bfloat16 if native_bf16() and not blocks else torch.float32
+        blocks = target_dir is not None and cpu_quant.holds_blocks(target_dir)
+        return torch.bfloat16 if cpu_matmul.native_bf16() and not blocks else torch.float32
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
     if on_gpu and name == "float64":  # the attention kernel accumulates in float32

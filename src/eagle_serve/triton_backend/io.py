@@ -1,11 +1,9 @@
-"""Small helpers shared by the Python-backend models: config parameters, reading one request's
-inputs with defaults, building tensors and error responses.
+"""Small helpers shared by the Python-backend models: config parameters, building tensors and
+error responses (a request's inputs are read in triton_backend.client_request).
 
 `triton_python_backend_utils` exists only inside the backend stub, so it is imported lazily
 (tests put a stand-in into `sys.modules`). Requests carry a batch dimension (max_batch_size > 0)
-and one prompt each: a batch of more than one row is refused with a clear error rather than
-guessing how to pad ragged outputs. Knows nothing about the engine; `prompt_ids` is where text
-input is checked and encoded (eagle_serve.core.tokenization), for preprocess and the direct path alike.
+and one prompt each. Knows nothing about the engine.
 """
 from __future__ import annotations
 
@@ -18,8 +16,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
-from eagle_serve.core.tokenization import encode_prompt, has_chat_template
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 
@@ -71,82 +67,6 @@ def freeze_loaded_objects() -> None:
     walks them again while requests wait (measured: 80-430 ms each, one right after start-up)."""
     gc.collect()
     gc.freeze()
-
-
-def input_array(request, name: str, required: bool = False) -> np.ndarray | None:
-    """The input as numpy ([1, ...] with the batch row), None if absent and not required."""
-    tensor = pb().get_input_tensor_by_name(request, name)
-    if tensor is None:
-        if required:
-            raise RequestError(f"input '{name}' is required")
-        return None
-    array = tensor.as_numpy()
-    if array.ndim >= 2 and array.shape[0] != 1:
-        raise RequestError(f"input '{name}' has batch size {array.shape[0]}; "
-                           f"send one prompt per request (batch size 1)")
-    return array
-
-
-def row(request, name: str, required: bool = False) -> np.ndarray | None:
-    """The single batch row of an input, flattened to 1-D."""
-    array = input_array(request, name, required)
-    return None if array is None else array.reshape(-1)
-
-
-def scalar(request, name: str, default=None, required: bool = False):
-    """A one-value input as a Python scalar (bytes for BYTES), `default` if absent."""
-    values = row(request, name, required)
-    if values is None:
-        return default
-    if values.size != 1:
-        raise RequestError(f"input '{name}' must hold exactly one value, got {values.size}")
-    value = values[0]
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def utf8(raw: bytes, name: str, max_bytes: int | None = None) -> str:
-    """Strictly decoded text, with the offending byte named when it is not UTF-8."""
-    if max_bytes is not None and len(raw) > max_bytes:
-        raise RequestError(f"input '{name}' has {len(raw)} bytes, more than the limit of "
-                           f"{max_bytes}")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        bad = raw[error.start]
-        raise RequestError(f"input '{name}' is not valid UTF-8 (byte 0x{bad:02x} at offset "
-                           f"{error.start})") from None
-
-
-def text(request, name: str, default: str | None = None, required: bool = False,
-         max_bytes: int | None = None) -> str | None:
-    raw = scalar(request, name, None, required)
-    return default if raw is None else utf8(bytes(raw), name, max_bytes)
-
-
-def texts(request, name: str, max_bytes: int | None = None) -> list[str]:
-    """All strings of a BYTES [-1] input (e.g. stop strings); [] if absent."""
-    values = row(request, name)
-    return [] if values is None else [utf8(bytes(v), name, max_bytes) for v in values]
-
-
-def prompt_ids(request, tokenizer, max_bytes: int, required: bool = True,
-               apply_chat_template: bool = True) -> list[int] | None:
-    """The ids of the request's `text_input`, through the chat template if the request's
-    `apply_chat_template` (default: the argument of that name) says so; None when the text is
-    absent and not required."""
-    value = text(request, "text_input", required=required, max_bytes=max_bytes)
-    if value is None:
-        return None
-    if not value:
-        raise RequestError("input 'text_input' is empty")
-    use_template = bool(scalar(request, "apply_chat_template", apply_chat_template))
-    if use_template and not has_chat_template(tokenizer):
-        raise RequestError("this tokenizer has no chat template: "
-                           "send apply_chat_template=false with a raw prompt")
-    ids = encode_prompt(tokenizer, value, use_template)
-    if not ids:
-        raise RequestError("the prompt encodes to no tokens")
-    return ids
 
 
 def ids_tensor(name: str, ids) -> object:

@@ -4,10 +4,9 @@
 at once with an error and FINAL; one background thread runs engine rounds while there is work,
 sends each request's new tokens (stream) or its whole output (non-stream) with running totals,
 polls client cancellation (every CANCEL_POLL_S at most), and keeps the Prometheus metrics
-current; a second one makes each round's drafter call meanwhile. Inputs that NVIDIA's tools
-send (genai-perf's TensorRT-LLM requests, Triton's OpenAI frontend) are read here too: aliases
-of ours, flags with the one value that makes sense, and return_num_output_tokens, which makes
-num_output_tokens count each response's tokens. Every request gets FINAL exactly once
+current; a second one makes each round's drafter call meanwhile. A request's inputs become a
+`ClientRequest` in triton_backend.client_request (return_num_output_tokens there makes
+num_output_tokens count each response's tokens). Every request gets FINAL exactly once
 (`_Stream`): on finish, bad input, cancellation, a failed model call, a timeout or shutdown. A
 model call that times out or finds its model process dead (`ModelUnavailable`) breaks the
 engine: every open request fails and `on_broken` stops the server so that its supervisor
@@ -26,20 +25,15 @@ from typing import Callable
 
 import numpy as np
 
-from eagle_serve.core.grammar import MAX_GUIDE_BYTES
 from eagle_serve.core.interfaces import ModelUnavailable
 from eagle_serve.core.requests import (
-    MAX_BAD_WORDS,
-    MAX_CACHE_SALT_BYTES,
-    MAX_LOGIT_BIAS,
-    MAX_STOP_TOKEN_IDS,
     RequestOutput,
-    SamplingParams,
     TokenLogprob,
 )
 from eagle_serve.core.tokenization import decode, decode_delta, detok_window
 from eagle_serve.engine import Engine, EngineBusy
 from eagle_serve.triton_backend import io as tu
+from eagle_serve.triton_backend.client_request import read_request
 from eagle_serve.triton_backend.metrics import EngineMetrics
 
 # Asking Triton whether a client cancelled is a round trip to the server process (measured
@@ -95,135 +89,6 @@ class _Open:
     first_token_at: float | None = None
 
 
-@dataclass(frozen=True)
-class ClientRequest:
-    """One request as the engine and the responses need it."""
-    prompt: list[int]
-    direct: bool                    # came with text_input (send text_output back)
-    params: SamplingParams
-    stream: bool
-    count_per_response: bool        # return_num_output_tokens: num_output_tokens is the number
-    #                                 of tokens in each response (the vLLM and TensorRT-LLM
-    #                                 backends' meaning, which Triton's OpenAI frontend sums)
-
-
-# Inputs that NVIDIA's tools send under other names (TensorRT-LLM's): same meaning, same type.
-ALIASES = {"seed": "random_seed", "min_tokens": "min_length", "stop": "stop_words"}
-
-
-def read_request(request, tokenizer, max_input_bytes: int = 65536,
-                 apply_chat_template: bool = True, defaults: dict | None = None) -> ClientRequest:
-    """A Triton request's inputs -> ClientRequest (RequestError if bad). apply_chat_template:
-    the default of the input of that name; defaults: the model's sampling defaults
-    (settings.generation_defaults) for inputs the request does not send."""
-    prompt, direct = read_prompt(request, tokenizer, max_input_bytes, apply_chat_template)
-    params, stream = read_params(request, defaults=defaults or {})
-    return ClientRequest(prompt, direct, params, stream,
-                         bool(tu.scalar(request, "return_num_output_tokens", False)))
-
-
-def read_prompt(request, tokenizer, max_input_bytes: int,
-                apply_chat_template: bool = True) -> tuple[list[int], bool]:
-    """-> prompt ids, and whether the request came with text (the direct path)."""
-    ids = tu.prompt_ids(request, tokenizer, max_input_bytes, required=False,
-                        apply_chat_template=apply_chat_template)
-    if ids is not None:
-        return ids, True
-    ids = tu.row(request, "input_ids")
-    if ids is None:
-        raise tu.RequestError("send text_input (or input_ids)")
-    if ids.size == 0:
-        raise tu.RequestError("input_ids is empty")
-    return [int(x) for x in ids], False
-
-
-def read_params(request, max_stop_bytes: int = 4096, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
-    """One request's sampling parameters and stream flag (RequestError if bad)."""
-    d = defaults or {}
-    check_tool_inputs(request)
-    k = tu.scalar(request, "num_speculative_tokens")
-    topk, depth = tu.scalar(request, "draft_topk"), tu.scalar(request, "draft_depth")
-    seed = aliased(request, "seed", tu.scalar)
-    stop = aliased(request, "stop", lambda r, name: tu.texts(r, name, max_bytes=max_stop_bytes) or None)
-    params = SamplingParams(
-        max_tokens=int(tu.scalar(request, "max_tokens", d.get("max_tokens", 128))),
-        temperature=float(tu.scalar(request, "temperature", d.get("temperature", 0.0))),
-        top_p=float(tu.scalar(request, "top_p", d.get("top_p", 1.0))),
-        top_k=int(tu.scalar(request, "top_k", d.get("top_k", 0))),
-        seed=None if seed is None else int(seed),
-        num_speculative_tokens=None if k is None else int(k),
-        draft_topk=None if topk is None else int(topk),
-        draft_depth=None if depth is None else int(depth),
-        stop=tuple(stop or ()),
-        ignore_eos=bool(tu.scalar(request, "ignore_eos", False)),
-        context_lookup=bool(tu.scalar(request, "context_lookup", True)),
-        corpus_lookup=bool(tu.scalar(request, "corpus_lookup", True)),
-        min_tokens=int(aliased(request, "min_tokens", tu.scalar) or 0),
-        cache_salt=tu.text(request, "cache_salt", "", max_bytes=MAX_CACHE_SALT_BYTES),
-        **processor_params(request, d))
-    return params, bool(tu.scalar(request, "stream", False))
-
-
-def processor_params(request, defaults: dict) -> dict:
-    """The logits processors' and logprobs' inputs -> SamplingParams fields (bounded before they
-    are read into Python lists: eagle_serve.core.processors' limits)."""
-    bias_ids, bias_values = (bounded_row(request, n, MAX_LOGIT_BIAS) for n in ("logit_bias_ids", "logit_bias_values"))
-    if (bias_ids is None) != (bias_values is None) or (bias_ids is not None and bias_ids.size != bias_values.size):
-        raise tu.RequestError("logit_bias_ids and logit_bias_values go together, one value per id")
-    logprobs, prompt_logprobs = tu.scalar(request, "logprobs"), tu.scalar(request, "prompt_logprobs")
-    if logprobs is None and tu.scalar(request, "return_log_probs", False):  # TensorRT-LLM's flag
-        logprobs = 0
-    stop_ids = bounded_row(request, "stop_token_ids", MAX_STOP_TOKEN_IDS)
-    bad_words = bounded_row(request, "bad_words", MAX_BAD_WORDS)
-    return dict(
-        presence_penalty=float(tu.scalar(request, "presence_penalty", 0.0)),
-        frequency_penalty=float(tu.scalar(request, "frequency_penalty", 0.0)),
-        repetition_penalty=float(tu.scalar(request, "repetition_penalty", defaults.get("repetition_penalty", 1.0))),
-        min_p=float(tu.scalar(request, "min_p", defaults.get("min_p", 0.0))),
-        logit_bias=() if bias_ids is None else tuple(zip(bias_ids.tolist(), bias_values.tolist())),
-        stop_token_ids=() if stop_ids is None else tuple(stop_ids.tolist()),
-        bad_words=() if bad_words is None else tuple(tu.utf8(bytes(w), "bad_words", 256) for w in bad_words),
-        logprobs=None if logprobs is None else int(logprobs),
-        prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs),
-        guide=read_guide(request))
-
-
-def read_guide(request) -> tuple[str, str] | None:
-    """TensorRT-LLM's guided_decoding_guide_type and guided_decoding_guide (None: neither)."""
-    kind = tu.text(request, "guided_decoding_guide_type", max_bytes=64)
-    guide = tu.text(request, "guided_decoding_guide", "", max_bytes=MAX_GUIDE_BYTES)
-    if kind is None:
-        if guide:
-            raise tu.RequestError("guided_decoding_guide needs guided_decoding_guide_type")
-        return None
-    return kind, guide
-
-
-def bounded_row(request, name: str, limit: int) -> np.ndarray | None:
-    values = tu.row(request, name)
-    if values is not None and values.size > limit:
-        raise tu.RequestError(f"input '{name}' may hold at most {limit} values, got {values.size}")
-    return values
-
-
-def aliased(request, name: str, read):
-    """The value of input `name` or of its alias (None if neither is sent); both sent must agree."""
-    values = {n: read(request, n) for n in (name, ALIASES[name])}
-    given = {n: v for n, v in values.items() if v is not None}
-    if len(given) == 2 and values[name] != values[ALIASES[name]]:
-        raise tu.RequestError(f"inputs '{name}' and '{ALIASES[name]}' mean the same and disagree: "
-                              f"{values[name]!r} vs {values[ALIASES[name]]!r}; send one of them")
-    return next(iter(given.values()), None)
-
-
-def check_tool_inputs(request) -> None:
-    """Inputs NVIDIA's tools send that only one value of makes sense here (RequestError else).
-    return_num_input_tokens is accepted and needs nothing: the counters are always sent."""
-    if not tu.scalar(request, "exclude_input_in_output", True):
-        raise tu.RequestError("exclude_input_in_output=false is not supported: the output never "
-                              "includes the prompt")
-
-
 class SpecDecodeService:
     def __init__(self, pb, engine: Engine, metrics: EngineMetrics | None = None,
                  max_input_bytes: int = 65536, draft_timeout_s: float = 0.0,
@@ -273,7 +138,7 @@ class SpecDecodeService:
                     del self.open[rid]
                     raise
                 self._wake.notify()
-        except (tu.RequestError, ValueError) as error:
+        except ValueError as error:  # (RequestError: bad input)
             out.fail(str(error))
         except EngineBusy as error:
             out.fail(str(error), "UNAVAILABLE")

@@ -27,6 +27,7 @@ import torch
 from eagle_serve.kernels.warmup import warm_drafter, warm_target
 from eagle_serve.models.checkpoints import settings_dtype
 from eagle_serve.settings import read_settings, settings_file
+from eagle_serve.triton_backend import client_request as cr
 from eagle_serve.triton_backend import internal_key
 from eagle_serve.triton_backend import io as tu
 from eagle_serve.triton_backend.bls import (
@@ -119,7 +120,7 @@ class _Worker:
         sent = pb.get_input_tensor_by_name(request, internal_key.INPUT_NAME)
         value = None if sent is None else sent.as_numpy().reshape(-1)[:1]
         if value is None or value.size != 1 or not internal_key.is_valid(value[0], self.key):
-            raise tu.RequestError(f"{self.name} is internal: only spec_decode may call it; send "
+            raise cr.RequestError(f"{self.name} is internal: only spec_decode may call it; send "
                                   f"requests to the ensemble or to spec_decode")
         while self.hang_file is not None and self.hang_file.exists():
             time.sleep(0.1)
@@ -175,7 +176,7 @@ class DrafterWorker(_Worker):
     def handle(self, pb, request) -> list:
         self.check_caller(pb, request)
         if self.drafter is None:
-            raise tu.RequestError("no drafter is configured (drafter_model is none)")
+            raise cr.RequestError("no drafter is configured (drafter_model is none)")
         batch, sampling = batch_from_request(pb, request, self.device)
         features = input_tensor(pb, request, "features").to(self.device)
         shapes = shapes_from_request(pb, request, self.device)
