@@ -54,11 +54,12 @@ TOOLS = {"soak": "eagle_serve.tools.soak", "gpu-check": "eagle_serve.tools.gpu_c
 
 
 def run_module(module: str, prog: str, argv: list[str]) -> None:
-    """Run `module` as `python -m` would, with `argv` as its arguments."""
+    """Run `module` as `python -m` would, with `argv` as its arguments (and `prog` as its name
+    in usage lines: runpy's alter_sys would put the module's file name there)."""
     saved = sys.argv
     sys.argv = [prog, *argv]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__")
     finally:
         sys.argv = saved
 
