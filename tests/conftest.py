@@ -18,7 +18,9 @@ sys.path[:0] = [str(d) for d in sorted(Path(__file__).parent.iterdir())
 import random  # noqa: E402
 
 import pytest  # noqa: E402
-from triton_pool import ServerPool, TritonServer  # noqa: E402
+from triton_pool import ServerPool  # noqa: E402
+
+from eagle_serve.server.launch import TritonServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,10 +39,9 @@ def tiny_models(tmp_path_factory):
 def kernels_on_cpu(monkeypatch):
     """Every dispatcher runs its Triton kernel (the GPU path), on CPU tensors too, through the
     interpreter (impl "ref" still the ref)."""
-    from eagle_serve.kernels import paged_attention, rejection, sampling, workspace
+    from eagle_serve.testing import force_gpu_kernels
 
-    for module in (paged_attention, rejection, sampling, workspace):
-        monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
+    force_gpu_kernels(monkeypatch)
 
 
 @pytest.fixture(scope="session")

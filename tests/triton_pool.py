@@ -1,4 +1,4 @@
-"""The real tritonserver for end-to-end tests, started the way `make serve` starts it.
+"""The real tritonserver for end-to-end tests (started by eagle_serve.server.launch).
 
 `ServerPool(workdir)(name, models, overrides, model_config_name)` serves a copy of
 model_repository/ (only `models`, parameters overridden through eagle_serve.triton_backend.repo_config) on
@@ -8,127 +8,18 @@ group, so closing it also ends the Python backend stubs it spawned.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from eagle_serve import paths
-from eagle_serve.server.serve import server_command, server_environment
-from eagle_serve.settings import CONFIG_NAME_ENV
+from eagle_serve.server.launch import TritonServer, free_ports, launch, signal_group
+from eagle_serve.server.serve import server_environment
 from eagle_serve.triton_backend.repo_config import copy_repository
-
-READY_TIMEOUT_S = 240.0
-STOP_TIMEOUT_S = 20.0
-
-
-@dataclass
-class TritonServer:
-    name: str
-    repo: Path
-    log_path: Path
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    process: subprocess.Popen = field(repr=False)
-    admin_key: str = field(default="", repr=False)  # the eagle-admin-key header of the admin APIs
-    ready_after_s: float = 0.0  # seconds from launch to /v2/health/ready
-
-    @property
-    def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"localhost:{self.metrics_port}"
-
-    def log_tail(self, lines: int = 60) -> str:
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """SIGTERM to the whole process group, then SIGKILL to whatever is left in it."""
-        if self.process.poll() is None:
-            _signal_group(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports the OS reports free right now (all bound at once, then released)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("localhost", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def launch(name: str, repo: Path, log_path: Path, model_config_name: str | None = None,
-           timeout_s: float = READY_TIMEOUT_S) -> TritonServer:
-    """Start tritonserver on `repo` and wait until it is ready; on failure stop it and raise
-    with the tail of its log."""
-    http, grpc, metrics = free_ports(3)
-    admin = secrets.token_urlsafe(16)
-    cmd = server_command(repo, http, grpc, metrics, ["--exit-timeout-secs=3"],
-                         model_config_name, admin=admin)
-    with open(log_path, "wb") as log:
-        env = server_environment() | ({CONFIG_NAME_ENV: model_config_name} if model_config_name else {})
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
-    server = TritonServer(name, repo, log_path, http, grpc, metrics, process, admin)
-    started = time.monotonic()
-    try:
-        wait_ready(server, started + timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    server.ready_after_s = time.monotonic() - started
-    return server
-
-
-def wait_ready(server: TritonServer, deadline: float) -> None:
-    url = f"http://{server.http_url}/v2/health/ready"
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"tritonserver '{server.name}' exited with code "
-                               f"{server.process.returncode} before it was ready; log "
-                               f"{server.log_path}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"tritonserver '{server.name}' was not ready within the deadline; log "
-                       f"{server.log_path}:\n{server.log_tail()}")
 
 
 class ServerPool:
@@ -167,7 +58,7 @@ class ServerPool:
         """Every server stopped, all at once (each may take seconds to drain)."""
         for server in self.servers.values():
             if server.process.poll() is None:
-                _signal_group(server.process.pid, signal.SIGTERM)
+                signal_group(server.process.pid, signal.SIGTERM)
         for server in self.servers.values():
             server.stop()
         self.servers.clear()

@@ -18,11 +18,13 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
                        dtype: torch.dtype | str = "auto", device="cpu",
                        config: EngineConfig | None = None, corpus: str | Path | None = "default",
                        drafter_weights: str = ServingSettings.drafter_weights,
-                       target_activations: str = ServingSettings.target_activations, **overrides) -> Engine:
+                       target_activations: str = ServingSettings.target_activations,
+                       cuda_graphs: bool = ServingSettings.cuda_graphs, **overrides) -> Engine:
     """Target (and drafter, if given) in this process, caches sized from the engine config.
     config: default the served one (ServingSettings' defaults, the target's EOS ids);
     corpus: the lookup corpus index ("default": the drafter's, if it has one; None: none);
-    drafter_weights: see checkpoints.load_drafter; target_activations: see target.TargetModel;
+    drafter_weights: see checkpoints.load_drafter; target_activations, cuda_graphs: see
+    target.TargetModel;
     overrides: EngineConfig fields to replace."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype, torch.device(device).type == "cuda", Path(target_dir))
@@ -37,7 +39,7 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
     target = TargetModel(target_dir, dtype=dtype, device=device, num_pages=config.num_target_pages,
                          page_size=config.page_size,
                          feature_layers=drafter.feature_layers if drafter else None,
-                         activations=target_activations)
+                         activations=target_activations, cuda_graphs=cuda_graphs)
     tokenizer = load_tokenizer(target_dir)
     if corpus == "default":
         corpus = default_corpus_index(drafter_dir)

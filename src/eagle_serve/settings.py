@@ -142,6 +142,8 @@ class ServingSettings:
     #                                            rounded to 8 bits (llama.cpp's arithmetic;
     #                                            faster, not the fp32 forward's bits)
     engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
+    cuda_graphs: bool = True                   # on a GPU, the target's decode and verify
+    #                                            forwards replay CUDA graphs (models.graphs)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:

@@ -359,3 +359,12 @@ def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15  # the quantizer maps a block's min to 0 and its max to 15
     return (d * q + m).reshape(n, k)
+
+
+def force_gpu_kernels(monkeypatch) -> None:
+    """Every dispatcher runs its Triton kernel (the GPU path), on CPU tensors too, through the
+    interpreter (impl "ref" still the reference); the target's layers run fused."""
+    from eagle_serve.kernels import layer_ops, paged_attention, rejection, sampling, workspace
+
+    for module in (layer_ops, paged_attention, rejection, sampling, workspace):
+        monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")

@@ -9,9 +9,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from eagle_serve.cpu.norm import CpuRMSNorm
 from eagle_serve.kernels.cpu import cpu_kernels, rope_write_kv, rope_write_kv_fits
+from eagle_serve.kernels.layer_ops import apply_rope
 from eagle_serve.kernels.paged_attention import write_kv_ref
 from eagle_serve.models.checkpoints import load_drafter
-from eagle_serve.models.paged import apply_rope
 from eagle_serve.models.target import TargetModel
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="eagle_serve/kernels/cpu.cpp needs AVX2, FMA and a compiler")

@@ -29,5 +29,5 @@ def test_every_benchmark_case_runs_the_kernel_and_the_reference(capsys):
         return 1.0
 
     rows = bench.run("cpu", small=True, timer=timer)
-    assert len(rows) == len(calls) // 2 == 11
+    assert len(rows) == len(calls) // 2 == 13
     assert "paged_attention tree" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import torch
 
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
-from eagle_serve.testing import make_random_head, make_tiny_llama
+from eagle_serve.testing import force_gpu_kernels, make_random_head, make_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,7 @@ def test_greedy_output_on_the_kernels_is_the_reference_paths(small_models, monke
     target, head = small_models
     engine = build_local_engine(target, head, dtype=torch.float32)
     expected = generate(engine, SHAPES["plain"])
-    from eagle_serve.kernels import paged_attention, rejection, sampling, workspace
-
-    for module in (paged_attention, rejection, sampling, workspace):
-        monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
+    force_gpu_kernels(monkeypatch)
     engine = build_local_engine(target, head, dtype=torch.float32)
     for name, shape in SHAPES.items():
         assert generate(engine, shape) == expected, name

@@ -1,6 +1,8 @@
 """Every kernel variant the launchers can pick compiles for sm_80 (A100) and sm_90 (H100) with
 Triton's bundled ptxas, no GPU needed: catches what the interpreter lets by (loop-carried types,
-dot shapes, casts). The variants are those eagle_serve/kernels/warmup.py enumerates (through the launchers'
+dot shapes, casts). One variant of each kernel per dtype also compiles for sm_75 (T4: float16
+and float32, no bfloat16), sm_86 (A10, RTX 30), sm_89 (L4, L40S) and sm_100 (B200). The
+variants are those eagle_serve/kernels/warmup.py enumerates (through the launchers'
 own tile functions) for two served shapes: SmolLM2-135M (9 q / 3 kv heads, head_dim 64) and a
 Llama-3.1-8B (32 / 8, head_dim 128), in bfloat16 and float32 (the two attention precisions),
 with float16 spot checks. The Triton version must be the GPU image's (requirements-gpu.txt).
@@ -18,17 +20,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 I32, I64, F32 = "i32", "*i64", "*fp32"
-TARGETS = (80, 90)
-MODELS = {"SmolLM2-135M": dict(q_heads=9, kv_heads=3, head_dim=64, page_size=16),
-          "Llama-3.1-8B": dict(q_heads=32, kv_heads=8, head_dim=128, page_size=16)}
+TARGETS = (80, 90)  # every variant
+SPOT_TARGETS = (75, 86, 89, 100)  # one variant per kernel and dtype
+MODELS = {"SmolLM2-135M": dict(q_heads=9, kv_heads=3, head_dim=64, page_size=16, hidden=576, inter=1536),
+          "Llama-3.1-8B": dict(q_heads=32, kv_heads=8, head_dim=128, page_size=16, hidden=4096, inter=14336)}
 VOCABS = (8192, 49152, 128256)  # draft and target vocabularies of the two models
 
 
 def specs():
     """{(kernel name, types, constexprs): (kernel, types of its runtime arguments, constexprs)}
     for every variant, deduplicated."""
+    from eagle_serve.kernels import layer_ops, rejection, sampling, workspace
     from eagle_serve.kernels import paged_attention as pa
-    from eagle_serve.kernels import rejection, sampling, workspace
     from eagle_serve.kernels.warmup import MAX_QUERIES, MAX_ROWS, smallest_inputs
 
     found = {}
@@ -39,7 +42,7 @@ def specs():
 
     rows = range(1, MAX_ROWS + 1)
     for shape in MODELS.values():
-        group, width = shape["q_heads"] // shape["kv_heads"], shape["kv_heads"] * shape["head_dim"]
+        group = shape["q_heads"] // shape["kv_heads"]
         for dtype in ("bf16", "fp32", "fp16"):
             tiles = smallest_inputs(lambda q: pa.attention_tile(group, q), range(1, MAX_QUERIES + 1))
             spot_check = dtype == "fp16"  # one tile: dtype coverage, not every tile again
@@ -56,10 +59,15 @@ def specs():
                              HEAD_DIM=shape["head_dim"], PAGE_SIZE=shape["page_size"],
                              HAS_TREE=tree, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
                              PRECISION="ieee" if dtype == "fp32" else "tf32"))
-            kv_tiles = smallest_inputs(lambda t: pa.kv_write_tile(t, width), rows)
-            for block_t, block_w in list(kv_tiles)[:1] if dtype != "bf16" else kv_tiles:
-                add(pa._write_kv_kernel, [f"*{dtype}"] * 4 + [I64] + [I32] * 5,
-                    dict(BLOCK_T=block_t, BLOCK_W=block_w))
+            for residual in (True, False):
+                add(layer_ops._add_rms_norm_kernel, [f"*{dtype}"] * 5 + [I32, "fp32", I32, I32],
+                    dict(HAS_RESIDUAL=residual, BLOCK_H=layer_ops.norm_block(shape["hidden"])))
+            block_h = 1 << (max(shape["q_heads"], shape["kv_heads"]) - 1).bit_length()
+            add(layer_ops._rope_write_kv_kernel, [f"*{dtype}"] * 5 + [I64] + [f"*{dtype}"] * 3 + [I32] * 7,
+                dict(Q_HEADS=shape["q_heads"], KV_HEADS=shape["kv_heads"], HEAD_DIM=shape["head_dim"],
+                     ROTARY=shape["head_dim"], BLOCK_H=block_h,
+                     BLOCK_D=1 << (shape["head_dim"] - 1).bit_length()))
+            add(layer_ops._silu_mul_kernel, [f"*{dtype}"] * 2 + [I32] * 2, dict(BLOCK=layer_ops.SILU_BLOCK))
     for vocab in VOCABS:
         for dtype in ("bf16", "fp32", "fp16"):
             add(sampling._probs_kernel, [f"*{dtype}", F32, I64, F32, F32] + [I32] * 3,
@@ -79,21 +87,32 @@ def specs():
     return found
 
 
+def jobs() -> list[tuple[int, tuple]]:
+    """(GPU architecture, spec): every variant for TARGETS; for SPOT_TARGETS the first variant of
+    each kernel and dtype (bfloat16 not on sm_75, which lacks it: float16 is served there)."""
+    every = list(specs().values())
+    spot = {}
+    for spec in every:
+        spot.setdefault((spec[0].__name__, spec[1][0]), spec)
+    return [(arch, spec) for arch in TARGETS for spec in every] + [
+        (arch, spec) for arch in SPOT_TARGETS for spec in spot.values()
+        if not (arch == 75 and any("bf16" in t for t in spec[1]))]
+
+
 def compile_all(part: int = 0, parts: int = 1) -> None:
-    """Compile every `parts`-th variant, from the `part`-th (LLVM and ptxas use one core)."""
+    """Compile every `parts`-th job, from the `part`-th (LLVM and ptxas use one core)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for kernel, types, constexprs in list(specs().values())[part::parts]:
+    for arch, (kernel, types, constexprs) in jobs()[part::parts]:
         runtime = [name for name in kernel.arg_names if name not in constexprs]
         assert len(runtime) == len(types), f"{kernel.__name__}: update its spec here"
         signature = dict(zip(runtime, types)) | {name: "constexpr" for name in constexprs}
-        for arch in TARGETS:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                      target=GPUTarget("cuda", arch, 32))
-            assert "cubin" in compiled.asm, kernel.__name__
-            print("compiled", arch, kernel.__name__, constexprs, flush=True)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                  target=GPUTarget("cuda", arch, 32))
+        assert "cubin" in compiled.asm, kernel.__name__
+        print("compiled", arch, kernel.__name__, constexprs, flush=True)
 
 
 def image_pin(name: str) -> str:
@@ -109,10 +128,10 @@ def test_the_compiler_is_the_triton_of_the_gpu_image():
 
 
 def test_every_variant_family_is_compiled():
-    from eagle_serve.kernels import paged_attention, rejection, sampling, workspace
+    from eagle_serve.kernels import layer_ops, paged_attention, rejection, sampling, workspace
 
     names = {key[0] for key in specs()}
-    modules = (paged_attention, rejection, sampling, workspace)
+    modules = (layer_ops, paged_attention, rejection, sampling, workspace)
     kernels = {name for m in modules for name in vars(m)
                if name.startswith("_") and name.endswith("_kernel")}
     assert names == kernels
@@ -122,7 +141,7 @@ def test_every_variant_family_is_compiled():
 
 
 @pytest.mark.slow
-def test_every_kernel_variant_compiles_for_sm80_and_sm90(tmp_path):
+def test_every_kernel_variant_compiles_for_six_gpu_architectures(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
@@ -133,8 +152,10 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(tmp_path):
     outputs = [run.communicate(timeout=1800) for run in runs]
     for run, (out, err) in zip(runs, outputs):
         assert run.returncode == 0, out[-2000:] + err[-4000:]
-    assert sum(out.count("compiled") for out, _ in outputs) == len(TARGETS) * len(specs())
-    print(f"{len(specs())} variants x {len(TARGETS)} GPU targets compiled")
+    assert sum(out.count("compiled") for out, _ in outputs) == len(jobs())
+    assert {arch for arch, _ in jobs()} == {75, 80, 86, 89, 90, 100}
+    print(f"{len(specs())} variants x {len(TARGETS)} GPU targets and {len(jobs()) - len(TARGETS) * len(specs())} "
+          f"spot checks on {len(SPOT_TARGETS)} more compiled")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Paged KV write and paged attention: the kernels against the references (exact writes,
-attention within float32 tolerance), at page sizes that do not divide the lengths, GQA with a
-group of 3, a head size of 40, decode / verify / prefill / empty requests and draft trees."""
+"""Paged attention: the kernel against the reference (within float32 tolerance), at page sizes
+that do not divide the lengths, GQA with a group of 3, a head size of 40, decode / verify /
+prefill / empty requests and draft trees."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +11,8 @@ import torch
 import eagle_serve.kernels.rowwise_attention as rowwise_module
 from eagle_serve.kernels.attention_ref import paged_attention_ref
 from eagle_serve.kernels.cpu import cpu_kernels
-from eagle_serve.kernels.paged_attention import paged_attention, write_kv, write_kv_ref
+from eagle_serve.kernels.layer_ops import rope_write_kv_triton
+from eagle_serve.kernels.paged_attention import paged_attention
 from eagle_serve.kernels.rowwise_attention import paged_attention_rowwise
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 40
@@ -110,48 +111,17 @@ def test_a_lower_triangular_tree_is_the_default_causal_mask():
                                atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("page_size", [5, 16])
-def test_kv_write_kernel_fills_the_same_slots_and_skips_padding(page_size):
-    gen = torch.Generator().manual_seed(page_size)
-    k_cache = torch.randn(6, page_size, KV_HEADS, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(6, page_size, KV_HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(9, KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(9, KV_HEADS, HEAD_DIM, generator=gen)
-    last = 6 * page_size - 1
-    slots = torch.tensor([3, -1, 17, last, -1, 0, page_size, page_size + 1, 2 * page_size - 1])
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    write_kv(k, v, k_cache, v_cache, slots, impl="triton")
-    write_kv_ref(k, v, expected_k, expected_v, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-
-
-def test_kv_write_kernel_reads_keys_and_values_that_are_views_of_wider_rows():
-    """As the target passes them: k a view of the RoPE output [T, Hq + Hkv, D], v of the
-    fused q/k/v projection [T, (Hq + 2 Hkv) * D]."""
-    gen = torch.Generator().manual_seed(3)
-    q_heads, tokens = 3 * KV_HEADS, 9
-    rotated = torch.randn(tokens, q_heads + KV_HEADS, HEAD_DIM, generator=gen)
-    qkv = torch.randn(tokens, (q_heads + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
-    k = rotated.split([q_heads, KV_HEADS], dim=1)[1]                   # [T, Hkv, D], rows strided
-    v = qkv[:, (q_heads + KV_HEADS) * HEAD_DIM:].view(tokens, KV_HEADS, HEAD_DIM)
-    assert not k.is_contiguous() and not v.is_contiguous()
-    k_cache, v_cache = torch.zeros(6, 5, KV_HEADS, HEAD_DIM), torch.zeros(6, 5, KV_HEADS, HEAD_DIM)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    slots = torch.tensor([3, -1, 17, 29, 0, 5, 6, 9, 12])
-    write_kv(k, v, k_cache, v_cache, slots, impl="triton")
-    write_kv_ref(k, v, expected_k, expected_v, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-
-
 def test_kv_write_then_attention_uses_what_was_written():
-    """Write a request's new tokens through the kernel, then decode over them."""
+    """Write a request's new tokens through the GPU path's KV write (RoPE's, an identity
+    rotation here), then decode over them."""
     page_size, n_new = 5, 7
     q, k_cache, v_cache, tables, cu, lens = make_batch([1], [n_new], page_size, seed=4)
     k = torch.randn(n_new, KV_HEADS, HEAD_DIM)
     v = torch.randn(n_new, KV_HEADS, HEAD_DIM)
     slots = torch.tensor([int(tables[0, t // page_size]) * page_size + t % page_size
                           for t in range(n_new)])
-    write_kv(k, v, k_cache, v_cache, slots, impl="triton")
+    no_turn = torch.ones(n_new, HEAD_DIM), torch.zeros(n_new, HEAD_DIM)  # cos, sin
+    rope_write_kv_triton(torch.zeros(n_new, 1, HEAD_DIM), k, v, *no_turn, k_cache, v_cache, slots)
     out = paged_attention(q, k_cache, v_cache, tables, cu, lens, 0.5, impl="triton")
     weights = torch.softmax(torch.einsum("hd,shd->hs", q[0], k.repeat_interleave(3, 1)) * 0.5, 1)
     expected = torch.einsum("hs,shd->hd", weights, v.repeat_interleave(3, 1))

@@ -17,11 +17,12 @@ import torch
 
 from eagle_serve import kernels
 from eagle_serve.engine import SamplingParams
-from eagle_serve.kernels import paged_attention, rejection, sampling, warmup, workspace
+from eagle_serve.kernels import layer_ops, paged_attention, rejection, sampling, warmup, workspace
 from eagle_serve.local import build_local_engine
 from eagle_serve.testing import make_random_head, make_tiny_llama
 
-KERNELS = [paged_attention._write_kv_kernel, paged_attention._paged_attention_kernel,
+KERNELS = [layer_ops._add_rms_norm_kernel, layer_ops._rope_write_kv_kernel, layer_ops._silu_mul_kernel,
+           paged_attention._paged_attention_kernel,
            sampling._probs_kernel, sampling._sample_kernel, rejection._greedy_accept_kernel,
            rejection._recover_kernel, rejection._random_accept_kernel,
            workspace._scatter_rows_kernel, workspace._gather_rows_kernel]
@@ -73,10 +74,6 @@ def test_every_tile_a_launcher_can_pick_is_warmed():
         warmed = set(warmup.smallest_inputs(lambda q: paged_attention.attention_tile(group, q),
                                             range(1, warmup.MAX_QUERIES + 1)))
         assert {paged_attention.attention_tile(group, q) for q in range(1, 5000)} <= warmed
-    for width in (40, 192, 1024, 4096):
-        warmed = set(warmup.smallest_inputs(lambda t: paged_attention.kv_write_tile(t, width),
-                                            range(1, warmup.MAX_ROWS + 1)))
-        assert {paged_attention.kv_write_tile(t, width) for t in range(1, 20000, 7)} <= warmed
     for tile in (rejection.request_block, lambda r: sampling.vocab_row_tile(r, 49152),
                  lambda r: sampling.vocab_row_tile(r, 300), lambda n: workspace.row_tile(n, 128)):
         warmed = set(warmup.smallest_inputs(tile, range(1, warmup.MAX_ROWS + 1)))

@@ -21,11 +21,12 @@ import openai
 import psutil
 import pytest
 from test_reliability import tight_server
-from triton_pool import TritonServer, free_ports, serve_tiny, tiny_server
+from triton_pool import serve_tiny, tiny_server
 from triton_pool import wait_until as server_wait_until
 
 from eagle_serve.client import grpc_generate, metrics
 from eagle_serve.core.tokenization import decode, encode_prompt, load_tokenizer, render_chat
+from eagle_serve.server.launch import TritonServer, free_ports
 
 pytestmark = pytest.mark.server
 

@@ -9,9 +9,10 @@ import urllib.request
 
 import psutil
 import pytest
-from triton_pool import free_ports, launch, wait_until
+from triton_pool import wait_until
 
 from eagle_serve import paths
+from eagle_serve.server.launch import free_ports, launch
 from eagle_serve.server.processes import model_processes
 from eagle_serve.triton_backend.repo_config import copy_repository
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 from test_openai_server import get
-from triton_pool import free_ports, wait_until
+from triton_pool import wait_until
 
 from eagle_serve import paths
+from eagle_serve.server.launch import free_ports
 from eagle_serve.server.processes import find_server
 from eagle_serve.server.replicas import PORT_STEP, Ports
 

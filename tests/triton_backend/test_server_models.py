@@ -58,9 +58,8 @@ def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_mode
     config.pbtxt still names the default one, and the output is the tiny model's."""
     import re
 
-    from triton_pool import launch
-
     from eagle_serve.core.requests import SamplingParams
+    from eagle_serve.server.launch import launch
     from eagle_serve.testing import tiny_engine
     from eagle_serve.triton_backend.repo_config import copy_repository, set_parameter
 

@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from eagle_serve.kernels.paged_attention import paged_attention, write_kv
+from eagle_serve.kernels.layer_ops import add_rms_norm, rope_write_kv, silu_mul
+from eagle_serve.kernels.paged_attention import paged_attention
 from eagle_serve.kernels.rejection import greedy_accept, random_accept
 from eagle_serve.kernels.sampling import DRAFT, compute_probs, sample
 from eagle_serve.kernels.workspace import gather_rows, scatter_rows
@@ -57,6 +58,11 @@ def cases(device: str, small: bool = False) -> list[Case]:
     new_k = randn(reqs * (k + 1), kv_heads, head_dim, dtype=dtype)
     new_slots = (tables[:, -1:] * page + torch.arange(k + 1, device=device)).flatten()
     new_slots[::3] = -1  # padding
+    new_q = randn(reqs * (k + 1), q_heads, head_dim, dtype=dtype)
+    cos, sin = randn(reqs * (k + 1), head_dim, dtype=dtype), randn(reqs * (k + 1), head_dim, dtype=dtype)
+    hidden, inter = (72, 200) if small else (4096, 14336)
+    x, residual = randn(reqs * (k + 1), hidden, dtype=dtype), randn(reqs * (k + 1), hidden, dtype=dtype)
+    norm, gate_up = randn(hidden, dtype=dtype), randn(reqs * (k + 1), 2 * inter, dtype=dtype)
     scale = head_dim ** -0.5
 
     def attention(n_q: int, tree: bool):
@@ -79,7 +85,10 @@ def cases(device: str, small: bool = False) -> list[Case]:
         ("scatter_rows (draft probs)",
          lambda impl: scatter_rows(store, slots, draft_probs, impl=impl)),
         ("gather_rows (draft probs)", lambda impl: gather_rows(store, slots, impl=impl)),
-        ("write_kv", lambda impl: write_kv(new_k, new_k, k_cache, v_cache, new_slots, impl=impl)),
+        ("add + RMSNorm", lambda impl: add_rms_norm(x, residual, norm, 1e-5, impl=impl)),
+        ("RoPE + KV write", lambda impl: rope_write_kv(new_q, new_k, new_k, cos, sin, k_cache, v_cache,
+                                                       new_slots, impl=impl)),
+        ("SiLU-and-mul", lambda impl: silu_mul(gate_up, impl=impl)),
         ("paged_attention decode", attention(1, tree=False)),
         (f"paged_attention verify ({k + 1} queries)", attention(k + 1, tree=False)),
         (f"paged_attention tree ({k + 1} queries)", attention(k + 1, tree=True)),

@@ -1,4 +1,5 @@
-"""Paged KV cache: write new keys/values into their slots, and attend over a ragged batch.
+"""Paged KV cache: write new keys/values into their slots (the reference: on a GPU the write is
+fused with RoPE, eagle_serve.kernels.layer_ops), and attend over a ragged batch.
 
 Layout: one cache tensor per layer for keys and one for values, [num_pages, page_size,
 kv_heads, head_dim]. A request's block table lists its pages in order; token position t lives
@@ -51,18 +52,11 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         flat_v.index_copy_(0, slot_mapping[valid], v[valid].to(v_cache.dtype))
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, impl: str | None = None):
-    """Dispatch on k_cache's device (impl as in eagle_serve/kernels/__init__.py)."""
-    if use_kernel(impl, k_cache):
-        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-
-
 def cpu_rope_write_kv_runs(q: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor,
                            impl: str | None = None) -> bool:
     """Whether a step's RoPE and KV write run as eagle_serve/kernels/cpu.cpp's one call (fp32 on CPU, the
-    kernels built) rather than PyTorch's RoPE and write_kv: not where write_kv runs its Triton
-    kernel, nor where the reference is asked for (impl as in eagle_serve/kernels/__init__.py)."""
+    kernels built) rather than PyTorch's RoPE and write_kv_ref: not where the GPU path's kernels
+    run, nor where the reference is asked for (impl as in eagle_serve/kernels/__init__.py)."""
     return impl is None and not use_kernel(impl, k_cache) and rope_write_kv_fits(q, k_cache, cos)
 
 
@@ -82,26 +76,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
                          or q.dtype == torch.float32 and cpu_attend_fits(k_cache)):
         return paged_attention_rowwise(*args, plans=plans)
     return paged_attention_ref(*args)
-
-
-def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """As write_kv_ref. Caches must be contiguous (a slot is one row of [P * page, Hkv * D])."""
-    assert k.shape == v.shape and k.ndim == 3 and k.shape[0] == slot_mapping.shape[0]
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert slot_mapping.ndim == 1 and not slot_mapping.is_floating_point()
-    tokens, width = k.shape[0], k.shape[1] * k.shape[2]
-    if tokens == 0:
-        return
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    # k, v are usually views (of the RoPE output and of the fused qkv projection): rows strided
-    k, v = (x.reshape(tokens, width) for x in (k, v))
-    k, v = (x if x.stride(1) == 1 else x.contiguous() for x in (k, v))
-    block_t, block_w = kv_write_tile(tokens, width)
-    _write_kv_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(width, block_w))](
-        k, v, k_cache, v_cache, on(slot_mapping, k_cache.device, torch.int64), tokens, width,
-        num_slots, k.stride(0), v.stride(0), BLOCK_T=block_t, BLOCK_W=block_w)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -155,12 +129,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 # Launch parameters (eagle_serve/kernels/warmup.py enumerates what these functions can return).
 
-def kv_write_tile(tokens: int, width: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_W) of _write_kv_kernel for `tokens` rows of `width` (kv_heads * D)."""
-    block_w = min(triton.next_power_of_2(width), 1024)
-    return min(triton.next_power_of_2(tokens), max(1, 4096 // block_w)), block_w
-
-
 def attention_tile(group: int, max_q: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q) of _paged_attention_kernel: a tile holds BLOCK_Q queries of each of the
     `group` q heads sharing a kv head; max_q: the most new tokens of a request in the batch."""
@@ -173,23 +141,6 @@ def attention_precision(dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-@triton.jit(do_not_specialize=["T", "stride_k", "stride_v"])
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, W, S, stride_k, stride_v,
-                     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-    # k, v: [T, W] rows `stride_k`, `stride_v` apart (W = kv_heads * head_dim); caches: [S, W]
-    # (S = num_pages * page_size); slots: [T] int64 (-1 = skip).
-    # Grid: (cdiv(T, BLOCK_T), cdiv(W, BLOCK_W))
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    w = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W))[None, :]
-    slot = tl.load(slots_ptr + t, mask=t < T, other=-1)
-    mask = ((t < T) & (slot >= 0) & (slot < S))[:, None] & (w < W)
-    dst = slot[:, None] * W + w
-    k = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_k + w, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + t.to(tl.int64)[:, None] * stride_v + w, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_table", "stride_tree_b", "stride_tree_i"])

@@ -4,7 +4,7 @@ Triton compiles one binary per variant of a kernel: per value of its constexpr a
 tile sizes a launcher derives from the batch's shape, HAS_TREE, PRECISION), per dtype of its
 tensor arguments, and per specialization of its integer arguments (equal to 1, a multiple of
 16, other). The kernels mark their batch-dependent integers `do_not_specialize`, so a variant
-depends only on the launch parameters the launchers pick (`attention_tile`, `kv_write_tile`,
+depends only on the launch parameters the launchers pick (`attention_tile`,
 `vocab_row_tile`, `request_block`, `row_tile`, ...) and on values fixed by the served model
 (head sizes, vocabulary, cache and workspace shapes, dtypes).
 
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_serve.kernels.paged_attention import attention_tile, kv_write_tile, paged_attention_triton, write_kv_triton
+from eagle_serve.kernels.layer_ops import add_rms_norm_triton, rope_write_kv_triton, silu_mul_triton
+from eagle_serve.kernels.paged_attention import attention_tile, paged_attention_triton
 from eagle_serve.kernels.rejection import greedy_accept_triton, random_accept_triton, request_block
 from eagle_serve.kernels.sampling import compute_probs_triton, sample_triton, vocab_row_tile
 from eagle_serve.kernels.workspace import gather_rows_triton, row_tile, scatter_rows_triton
@@ -48,18 +49,12 @@ def smallest_inputs(tile, sizes) -> dict:
 
 def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int,
                    windows: set[int] = frozenset({0}), softcap: float = 0.0) -> int:
-    """KV writes (every BLOCK_T) and paged attention (every tile, with and without a draft tree,
-    for each sliding window the model's layers use (0 = none) and its soft-cap) on the model's
-    own caches [P, page_size, Hkv, D]: writes skip every slot, reads change nothing."""
+    """Paged attention (every tile, with and without a draft tree, for each sliding window the
+    model's layers use (0 = none) and its soft-cap) on the model's own caches [P, page_size,
+    Hkv, D]: reads change nothing."""
     _, page_size, kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
     launches = 0
-    for tokens in smallest_inputs(lambda t: kv_write_tile(t, kv_heads * head_dim),
-                                  range(1, MAX_ROWS + 1)).values():
-        kv = torch.zeros((tokens, kv_heads, head_dim), dtype=dtype, device=device)
-        skip = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        write_kv_triton(kv, kv, k_cache, v_cache, skip)
-        launches += 1
     group = q_heads // kv_heads
     for n in smallest_inputs(lambda q: attention_tile(group, q), range(1, MAX_QUERIES + 1)).values():
         pages = -(-n // page_size)
@@ -74,6 +69,40 @@ def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int,
                                    window=window, softcap=softcap)
             launches += 1
     return launches
+
+
+def warm_layers(model) -> int:
+    """The target's fused layer kernels (eagle_serve.kernels.layer_ops), where its layers run
+    them: the norm with and without a residual, RoPE + KV write on views of a q/k/v projection
+    shaped like the model's (the same pointer alignments), SiLU-and-mul. Writes skip every slot."""
+    if not model.fusable:
+        return 0
+    cfg, dtype, device = model.config, model.dtype, model.device
+    hidden, cache = cfg.hidden_size, model.cache
+    x = torch.zeros((1, hidden), dtype=dtype, device=device)
+    norm = model.hf.model.norm.weight
+    add_rms_norm_triton(x, x, norm, 1e-6)
+    add_rms_norm_triton(x, None, norm, 1e-6)
+    qkv = torch.zeros((1, model.q_width + 2 * model.kv_width), dtype=dtype, device=device)
+    q, k, v = (t.view(1, -1, model.head_dim) for t in qkv.split([model.q_width, model.kv_width, model.kv_width], -1))
+    rope = model._rope(x, torch.zeros(1, dtype=torch.int64, device=device))
+    skip = torch.full((1,), -1, dtype=torch.int64, device=device)
+    for cos, sin in rope.values():
+        rope_write_kv_triton(q, k, v, cos, sin, cache.keys[0], cache.values[0], skip)
+    gate_up = torch.zeros((1, 2 * cfg.intermediate_size), dtype=dtype, device=device)
+    silu_mul_triton(gate_up)
+    return 3 + len(rope)
+
+
+def warm_rope(head, cache, dtype, device) -> int:
+    """A draft head's RoPE + KV write: its q, k, v contiguous (separate projections)."""
+    cfg, d = head.spec.layer, head.head_dim
+    q = torch.zeros((1, cfg.num_attention_heads, d), dtype=dtype, device=device)
+    kv = torch.zeros((1, cfg.num_key_value_heads, d), dtype=dtype, device=device)
+    cos, sin = head.rotary(q, torch.zeros((1, 1), dtype=torch.int64, device=device))
+    skip = torch.full((1,), -1, dtype=torch.int64, device=device)
+    rope_write_kv_triton(q, kv, kv, cos[0], sin[0], cache.keys[0], cache.values[0], skip)
+    return 1
 
 
 def warm_probs(vocab: int, dtype: torch.dtype, device) -> int:
@@ -136,22 +165,25 @@ def _timed(device: torch.device, force: bool, warm) -> WarmupReport | None:
 
 
 def warm_target(model, force: bool = False) -> WarmupReport | None:
-    """What eagle_serve.models.target.TargetModel launches: KV writes, attention, probabilities."""
+    """What eagle_serve.models.target.TargetModel launches: the fused layer kernels (RoPE with the
+    KV write among them), attention, probabilities."""
     def warm():
         cache = model.cache
         windows = {layer.window for layer in model.layers}
-        return (warm_attention(cache.keys[0], cache.values[0], model.config.num_attention_heads,
-                               windows, model.attn_softcap)
+        return (warm_layers(model)
+                + warm_attention(cache.keys[0], cache.values[0], model.config.num_attention_heads,
+                                 windows, model.attn_softcap)
                 + warm_probs(model.vocab_size, model.dtype, model.device))
     return _timed(model.device, force, warm)
 
 
 def warm_drafter(drafter, force: bool = False) -> WarmupReport | None:
-    """What eagle_serve.models.drafter.Drafter launches: KV writes, attention, draft probabilities
-    over its own vocabulary and sampling from them."""
+    """What eagle_serve.models.drafter.Drafter launches: RoPE with the KV write, attention, draft
+    probabilities over its own vocabulary and sampling from them."""
     def warm():
         spec, cache = drafter.head.spec, drafter.cache
-        return (warm_attention(cache.keys[0], cache.values[0], spec.layer.num_attention_heads)
+        return (warm_rope(drafter.head, cache, drafter.dtype, drafter.device)
+                + warm_attention(cache.keys[0], cache.values[0], spec.layer.num_attention_heads)
                 + warm_probs(spec.draft_vocab_size, drafter.dtype, drafter.device)
                 + warm_sample(spec.draft_vocab_size, drafter.device))
     return _timed(drafter.device, force, warm)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.kernels import layer_ops
 from eagle_serve.kernels.cpu import rope_write_kv
-from eagle_serve.kernels.paged_attention import cpu_rope_write_kv_runs, paged_attention, write_kv
+from eagle_serve.kernels.layer_ops import apply_rope, fused_layers_run
+from eagle_serve.kernels.paged_attention import cpu_rope_write_kv_runs, paged_attention, write_kv_ref
 
 
 class PagedKVCache:
@@ -29,23 +31,6 @@ class PagedKVCache:
             flat[dst] = flat[src]
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate the first R dims of every head (R = D, or less for partial rotary as Phi-3 may).
-
-    q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin: [T, R] -> q, k (views of one [T, Hq + Hkv, D]
-    tensor; the arithmetic of HF's apply_rotary_pos_emb, so float64 results equal HF's exactly)
-    """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, R]
-    r = cos.shape[-1]
-    qk = torch.cat([q, k], dim=1)  # [T, Hq + Hkv, D]: one rotation for both
-    part = qk[..., :r]
-    half = torch.cat((-part[..., r // 2:], part[..., :r // 2]), dim=-1)
-    out = (part * cos) + (half * sin)
-    out = out if r == qk.shape[-1] else torch.cat([out, qk[..., r:]], dim=-1)
-    return out.split([q.shape[1], k.shape[1]], dim=1)
-
-
 def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, batch: RaggedBatch, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, *, scale: float, window: int = 0,
@@ -57,9 +42,11 @@ def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     """
     if cpu_rope_write_kv_runs(q, k_cache, cos):  # fp32 on CPU: one C++ call (eagle_serve/kernels/cpu.cpp)
         q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
+    elif fused_layers_run(q):  # on the GPU: one launch (eagle_serve.kernels.layer_ops)
+        q = layer_ops.rope_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
     else:
         q, k = apply_rope(q, k, cos, sin)
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        write_kv_ref(k, v, k_cache, v_cache, batch.slot_mapping)
     out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens,
                           scale, tree_mask=batch.tree_mask, window=window, softcap=softcap,
                           positions=batch.positions if window > 0 else None,

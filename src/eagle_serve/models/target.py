@@ -10,6 +10,7 @@ ones. Knows nothing about requests, page allocation or sampling policy.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,8 +34,10 @@ from eagle_serve.cpu.norm import use_cpu_norms
 from eagle_serve.cpu.quant import int8_activations_run
 from eagle_serve.kernels import on
 from eagle_serve.kernels.cpu import amx_tiles
+from eagle_serve.kernels.layer_ops import add_rms_norm, fused_layers_run, silu_mul
 from eagle_serve.kernels.sampling import compute_probs
 from eagle_serve.models.cpu_stack import CpuDecoderStack, StackLayer, StackShape
+from eagle_serve.models.graphs import TargetGraphs, graphable
 from eagle_serve.models.paged import PagedKVCache, paged_attention_step
 from eagle_serve.settings import TARGET_ACTIVATIONS
 
@@ -101,22 +104,38 @@ class _LayerPlan:
     act: Callable | None   # the MLP's activation (on gate)
 
 
+def _add_norm(delta: torch.Tensor | None, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + delta), h + delta) in one launch (delta None: h alone)"""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
+    return add_rms_norm(h, None, norm.weight, eps) if delta is None else add_rms_norm(delta, h, norm.weight, eps)
+
+
+def _is_silu(act) -> bool:
+    # transformers names its SiLU module SiLUActivation (5.2x) or uses torch's (earlier)
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 class TargetModel:
     """In-process target runner (implements `TargetRunner`)."""
 
     def __init__(self, folder: str | Path, *, dtype=torch.float32, device="cpu",
                  num_pages: int = 256, page_size: int = 16,
-                 feature_layers: tuple[int, ...] | None = None, activations: str = "fp32"):
+                 feature_layers: tuple[int, ...] | None = None, activations: str = "fp32",
+                 cuda_graphs: bool = False):
         """activations: "fp32", or "int8": the linears that hold GGUF blocks take their inputs
         rounded to 8 bits per block of 32 (llama.cpp's arithmetic, cpu_i8.cpp: ~1.5x faster
-        on a CPU with AVX512-VNNI; another model's bits: not the fp32 forward's)."""
+        on a CPU with AVX512-VNNI; another model's bits: not the fp32 forward's);
+        cuda_graphs: on a GPU, decode and verify forwards replay CUDA graphs (models.graphs)."""
         if activations not in TARGET_ACTIVATIONS:
             raise ValueError(f"target activations must be one of {TARGET_ACTIVATIONS}, got {activations!r}")
         self.config = cfg = load_target_config(folder)
         self.arch = arch = architecture_of(cfg)
         moe = {"experts_implementation": "eager"} if arch.moe else {}  # any dtype, any device
         self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **moe).to(device).eval()
-        if self.hf.device.type == "cpu":
+        # the CPU's own kernels, unless the layers run on the GPU path's (tests force it on CPU)
+        cpu = self.hf.device.type == "cpu" and not (
+            self._fusable_arch() and fused_layers_run(self.hf.lm_head.weight))
+        if cpu:
             use_cpu_linears(self.hf)  # see cpu_matmul: MKL is slow for 2+ rows here
             use_cpu_norms(self.hf, plus_one=arch.norm_plus_one)  # one call a norm, not six ops
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -136,23 +155,36 @@ class TargetModel:
         self.q_width = cfg.num_attention_heads * self.head_dim
         self.kv_width = cfg.num_key_value_heads * self.head_dim
         self.layers = [self._plan(i) for i in range(self.num_layers)]
-        if self.hf.device.type == "cpu":
+        self.fusable = self._fusable_arch()
+        if cpu:
             # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
             find_block_weights(self.hf, self.fused_linears())
         if activations == "int8":
-            if not (self.hf.device.type == "cpu" and int8_activations_run()):
+            if not (cpu and int8_activations_run()):
                 raise ValueError("target activations int8 run on a CPU with AVX2 and FMA, the CPU "
                                  "kernels built (eagle_serve/kernels/cpu_i8.cpp)")
             if not use_int8_activations(self.cpu_linears()):
                 raise ValueError(f"target activations int8: {folder} holds no GGUF block weights "
                                  f"(in float32)")
-        elif self.hf.device.type == "cpu" and amx_tiles():
+        elif cpu and amx_tiles():
             use_amx_tiles(self.cpu_linears())  # fp32 still: verify rows cost a fraction (cpu_amx)
-        self.stack = self.cpu_stack()  # None: hidden_states runs the Python loop
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and self.fusable and graphable(self.hf.model.rotary_emb):
+            self.graphs = TargetGraphs(self._hidden_states, num_pages, self.device, capture=True)
+            if not self.graphs.verified():  # this GPU replays them differently: eager
+                logging.getLogger(__name__).warning("CUDA graphs off: %s", self.graphs.failed or
+                                                    "a replay differs from the eager forward")
+                self.graphs = None
+        self.stack = self.cpu_stack() if cpu else None  # None: hidden_states runs the Python loop
         # greedy rows' tokens from a few fp32 logits (None: every logit; see cpu_argmax; a soft
         # cap saturates, so capped logits may tie where the raw ones do not)
         self.screen = (ScreenedArgmax(self.hf.lm_head)
-                       if screenable(self.hf.lm_head) and not self.final_softcap else None)
+                       if cpu and screenable(self.hf.lm_head) and not self.final_softcap else None)
+
+    def _fusable_arch(self) -> bool:
+        """Llama-like norms (weight * normed, one before each sublayer): the GPU runs the fused
+        layer kernels (eagle_serve.kernels.layer_ops)."""
+        return not (self.arch.sandwich_norms or self.arch.norm_plus_one)
 
     def fused_linears(self) -> list[nn.Module]:
         """Each layer's fused q/k/v and gate/up linears (not among the HF model's modules)."""
@@ -238,15 +270,22 @@ class TargetModel:
     @torch.inference_mode()
     def hidden_states(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> final post-norm hidden [T, H], features [T, F]"""
+        replayed = self.graphs(batch) if self.graphs is not None else None
+        return replayed if replayed is not None else self._hidden_states(batch)
+
+    def _hidden_states(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.hf.model
         h = model.embed_tokens(batch.input_ids)  # [T, H]
         rope = self._rope(h, batch.positions)
         stacked = None
-        if self.stack is not None:  # the same ops in one C++ call
-            cos, sin = next(iter(rope.values()))  # its layers share one RoPE table
-            stacked = self.stack(h, cos, sin, batch, self.feature_layers or ())
-        h, aux = stacked if stacked is not None else self._layers(h, rope, batch)
-        final = model.norm(h)
+        if self.fusable and fused_layers_run(h):  # on a GPU: few launches a layer
+            final, aux = self._fused_layers(h, rope, batch)
+        else:
+            if self.stack is not None:  # on a CPU: the same ops in one C++ call
+                cos, sin = next(iter(rope.values()))  # its layers share one RoPE table
+                stacked = self.stack(h, cos, sin, batch, self.feature_layers or ())
+            h, aux = stacked if stacked is not None else self._layers(h, rope, batch)
+            final = model.norm(h)
         features = torch.cat([aux[i] for i in self.feature_layers], dim=-1) if self.feature_layers else final
         return final, features
 
@@ -265,6 +304,25 @@ class TargetModel:
                 h = h + a
                 h = h + self._mlp(plan, layer.mlp, layer.post_attention_layernorm(h))
         return h, aux
+
+    def _fused_layers(self, h: torch.Tensor, rope: dict, batch: RaggedBatch) -> tuple[torch.Tensor, dict]:
+        """_layers and the final norm on the GPU's fused kernels (eagle_serve.kernels.layer_ops:
+        each residual add fused with the norm after it) -> (final [T, H], {feature layer: its input})"""
+        model = self.hf.model
+        wanted, aux = set(self.feature_layers or ()), {}
+        delta = None  # [T, H] the last block's output, not yet added to h
+        for idx, (layer, plan) in enumerate(zip(model.layers, self.layers)):
+            x, h = _add_norm(delta, h, layer.input_layernorm)
+            if idx in wanted:
+                aux[idx] = h
+            delta = self._attention(idx, layer.self_attn, x, rope[plan.rope], batch)
+            x, h = _add_norm(delta, h, layer.post_attention_layernorm)
+            if plan.gate_up is not None and _is_silu(plan.act):
+                delta = layer.mlp.down_proj(silu_mul(plan.gate_up(x)))
+            else:
+                delta = self._mlp(plan, layer.mlp, x)
+        final, _ = _add_norm(delta, h, model.norm)
+        return final, aux
 
     def _logits(self, final: torch.Tensor) -> torch.Tensor:
         """final: [R, H] -> [R, V] (soft-capped where the architecture caps them)"""
@@ -297,9 +355,9 @@ class TargetModel:
             if processors is not None and processors.min_p.numel():
                 rows = min_p_mask(rows, processors.min_p.to(rows.device)[sampled], s.temperature.to(rows.device))
             probs = compute_probs(rows, s.temperature, s.top_k, s.top_p)
-        # argmax of bf16 rows on CPU takes ~160 us per 49k-wide row, of fp32 ~35 us (same result)
-        return TargetOutput(hidden=features, argmax=logits.float().argmax(dim=-1), probs=probs,
-                            logprobs=logprobs)
+        # on a CPU the argmax of bf16 rows is several times slower than of fp32 ones (the same result)
+        argmax = (logits if logits.is_cuda else logits.float()).argmax(dim=-1)  # one launch on a GPU
+        return TargetOutput(hidden=features, argmax=argmax, probs=probs, logprobs=logprobs)
 
     @torch.inference_mode()
     def logits(self, batch: RaggedBatch, logit_rows: torch.Tensor) -> torch.Tensor:

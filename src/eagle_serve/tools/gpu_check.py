@@ -15,7 +15,20 @@
    seeded temperature-0.7 requests alone and greedy requests 4 at a time: tokens/s of each,
    the speedup, tau and whether the outputs are identical (greedy, and coupled sampling:
    plain seeded sampling's tokens whatever is drafted);
-5. how many kernels compiled during step 4 (0: the warm-up covered every launch).
+5. how many kernels compiled during step 4 (0: the warm-up covered every launch);
+6. plain greedy decoding on the three forward paths, prompt by prompt in turn: the PyTorch
+   layers, the fused layer kernels (eagle_serve.kernels.layer_ops), and those replayed as CUDA
+   graphs (models.graphs): tokens/s, the kernels one decode forward launches, and whether the
+   outputs agree;
+7. the whole forward's row invariance: a prompt's last token decoded alone vs as the first of
+   2-64 verify rows: the largest logit difference, and the top two logits where the argmax
+   parts.
+
+8. through Triton (eagle_serve.tools.gpu_server): the real tritonserver serving the same
+   models (configs/gpu.pbtxt on a GPU, CPU instances elsewhere), plain decoding against the
+   default through gRPC for the cases of step 4 (skip with --no-server).
+
+`--out DIR` writes the results as gpu_check.json and a plot, gpu_check.png.
 
 Without a GPU it says so and runs the same checks on CPU: the kernels through Triton's
 interpreter, the engine on the CPU. Exit status 1 when a kernel disagrees with its reference,
@@ -26,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +54,7 @@ from eagle_serve import paths  # noqa: E402
 from eagle_serve.core.requests import SamplingParams, acceptance_length  # noqa: E402
 from eagle_serve.core.tokenization import encode_prompt, eos_token_ids, load_tokenizer  # noqa: E402
 from eagle_serve.kernels import attention_ref, warmup  # noqa: E402
+from eagle_serve.kernels import layer_ops as lo  # noqa: E402
 from eagle_serve.kernels import paged_attention as pa
 from eagle_serve.kernels import rejection as rj
 from eagle_serve.kernels import sampling as sm  # noqa: E402
@@ -47,9 +62,12 @@ from eagle_serve.kernels import workspace as ws
 from eagle_serve.local import build_local_engine  # noqa: E402
 from eagle_serve.models.checkpoints import torch_dtype  # noqa: E402
 from eagle_serve.settings import EngineConfig, ServingSettings  # noqa: E402
+from eagle_serve.tools.gpu_forward import forward_invariance, path_comparison  # noqa: E402
+from eagle_serve.tools.gpu_server import CASES, through_triton  # noqa: E402
 
 GPU_CONFIG = paths.REPO_ROOT / "model_repository" / "spec_decode" / "configs" / "gpu.pbtxt"
-KERNELS = (pa._write_kv_kernel, pa._paged_attention_kernel, sm._probs_kernel, sm._sample_kernel,
+KERNELS = (lo._add_rms_norm_kernel, lo._rope_write_kv_kernel, lo._silu_mul_kernel, pa._paged_attention_kernel,
+           sm._probs_kernel, sm._sample_kernel,
            rj._greedy_accept_kernel, rj._recover_kernel, rj._random_accept_kernel,
            ws._scatter_rows_kernel, ws._gather_rows_kernel)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -88,7 +106,8 @@ def attention_batch(q_heads: int, kv_heads: int, head_dim: int, dtype, device, g
     return q, k_cache, v_cache, to(tables), to(cu), to(torch.tensor(lens)), to(tree)
 
 
-def kernel_checks(q_heads, kv_heads, head_dim, vocab, dtype, device) -> dict[str, str | None]:
+def kernel_checks(q_heads, kv_heads, head_dim, hidden, intermediate, vocab, dtype,
+                  device) -> dict[str, str | None]:
     """{check: None if it passed, else what differed}."""
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device)  # noqa: E731
@@ -104,14 +123,20 @@ def kernel_checks(q_heads, kv_heads, head_dim, vocab, dtype, device) -> dict[str
 
     q, k_cache, v_cache, tables, cu, lens, tree = attention_batch(q_heads, kv_heads, head_dim,
                                                                   dtype, device, gen)
-    # k, v as the target passes them: views of wider rows (RoPE output, fused projection)
-    k = rand(7, q_heads + kv_heads, head_dim).to(dtype).split([q_heads, kv_heads], dim=1)[1]
-    v = rand(7, 3 * kv_heads, head_dim).to(dtype)[:, kv_heads:2 * kv_heads]
+    # q, k, v as the target passes them: views of its fused q/k/v projection
+    widths = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qn, kn, vn = (t.view(7, -1, head_dim) for t in rand(7, sum(widths)).to(dtype).split(widths, -1))
+    cos, sin = rand(7, head_dim).to(dtype), rand(7, head_dim).to(dtype)
     slots = torch.tensor([5, -1, 40, 41, 3, -1, 17], device=device)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-    pa.write_kv_triton(k, v, *caches[0], slots)
-    pa.write_kv_ref(k, v, *caches[1], slots)
-    exact("write_kv", caches[0], caches[1])
+    exact("rope_write_kv", [lo.rope_write_kv_triton(qn, kn, vn, cos, sin, *caches[0], slots), *caches[0]],
+          [lo.rope_write_kv_ref(qn, kn, vn, cos, sin, *caches[1], slots), *caches[1]])
+    x, r, w = rand(5, hidden).to(dtype), rand(5, hidden).to(dtype), rand(hidden).to(dtype)
+    (normed, total), (normed_ref, total_ref) = lo.add_rms_norm_triton(x, r, w, 1e-5), lo.add_rms_norm_ref(x, r, w, 1e-5)
+    exact("add_rms_norm: the sum", [total], [total_ref])
+    close("add_rms_norm", normed, normed_ref, TOLERANCE[dtype])
+    gate_up = rand(5, 2 * intermediate).to(dtype)
+    close("silu_mul", lo.silu_mul_triton(gate_up), lo.silu_mul_ref(gate_up), TOLERANCE[dtype])
     scale = head_dim ** -0.5
     for mask in (None, tree):
         got = pa.paged_attention_triton(q, k_cache, v_cache, tables, cu, lens, scale, mask)
@@ -171,10 +196,6 @@ def row_invariance(q_heads, kv_heads, head_dim, hidden, dtype, device) -> dict[s
             "linear: 1 row alone vs among 9 rows": diff(one, nine)}
 
 
-CASES = (("greedy, 1 stream", 0.0, 1), ("temperature 0.7, 1 stream", 0.7, 1),
-         ("greedy, 4 streams", 0.0, 4))  # (name, temperature, requests at a time)
-
-
 @dataclass
 class Comparison:
     """One case of step 4: plain decoding against the default over the same prompts."""
@@ -216,6 +237,34 @@ def engine_comparison(engine, prompts: list[list[int]], max_tokens: int) -> dict
     return results
 
 
+def write_results(folder: Path, results: dict) -> None:
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    panels = [("in process", results["engine"])] + (
+        [("through Triton", results["through_triton"])] if results.get("through_triton") else [])
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(6 * (1 + len(panels)), 4))
+    paths_ = results["forward_paths"]
+    axes[0].bar(list(paths_), [v["tokens_per_s"] for v in paths_.values()], color="tab:blue")
+    axes[0].set_ylabel("tokens/s, plain greedy decoding")
+    axes[0].set_title(f"forward paths ({results['device']}, {results['dtype']})", fontsize=9)
+    for ax, (where, cases) in zip(axes[1:], panels):
+        x = range(len(cases))
+        ax.bar([i - 0.2 for i in x], [c["plain"] for c in cases.values()], 0.4, label="k = 0")
+        ax.bar([i + 0.2 for i in x], [c["default"] for c in cases.values()], 0.4, label="default")
+        ax.set_xticks(list(x), list(cases), fontsize=8)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"plain decoding vs the default (speculative), {where}", fontsize=9)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "gpu_check.png", dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=str(paths.default_target_dir()))
@@ -224,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--require-identical", action="store_true")
+    parser.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.png")
+    parser.add_argument("--no-server", action="store_true", help="skip step 8 (through Triton)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if ON_GPU else "cpu")
     settings = ServingSettings(**{**vars(gpu_settings()), "dtype": args.dtype})
@@ -249,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     check_dtype = torch.float32 if dtype == torch.float64 else dtype
     failures = 0
     print("2. kernels vs references:")
-    for name, problem in kernel_checks(*heads, engine.target.vocab_size, check_dtype, device).items():
+    checks = kernel_checks(*heads, cfg.hidden_size, cfg.intermediate_size, engine.target.vocab_size,
+                           check_dtype, device)
+    for name, problem in checks.items():
         failures += problem is not None
         print(f"   {name:28s} {'ok' if problem is None else 'FAIL: ' + problem}")
     print("3. row invariance (max |difference|, 0 = bitwise equal):")
@@ -273,7 +326,36 @@ def main(argv: list[str] | None = None) -> int:
             failures += 1
     print("5. kernels compiled during the engine runs:",
           "n/a (interpreter)" if before is None else after - before)
+    print("6. plain greedy decoding per forward path:", flush=True)
+    paths_ = path_comparison(engine, prompts, args.max_tokens)
+    for name, r in paths_.items():
+        print(f"   {name:22s} {r['tokens_per_s']:7.1f} tokens/s, {r['launches']:4d} launches a decode "
+              f"forward, outputs equal to the fused path's: {r['same_as_fused']}/{len(prompts)}")
+    print("7. one token through the whole forward, alone vs first of n rows:")
+    invariance = forward_invariance(engine.target, prompts[0])
+    for n, r in invariance.items():
+        print(f"   n={n:3d} max |logit difference| {r['max_diff']:.3g}, argmax "
+              + ("equal" if r["argmax_equal"] else f"differs: top-2 {r['top2_alone']} vs {r['top2_among']}"))
+    served = {}
+    if not args.no_server:
+        name = str(dtype).removeprefix("torch.")
+        print(f"8. through Triton ({'configs/gpu.pbtxt' if ON_GPU else 'CPU instances'}), {len(texts)} "
+              f"prompts, plain (k=0) and the default in turn, through gRPC:", flush=True)
+        with tempfile.TemporaryDirectory() as work:
+            served = through_triton(Path(work), args.target, drafter, name, ON_GPU, texts, args.max_tokens)
+        for case, r in served.items():
+            print(f"   {case:26s} k=0 {r['plain']:7.1f} tokens/s, default {r['default']:7.1f} "
+                  f"({r['default'] / r['plain']:.2f}x, tau {r['tau']:.2f}), outputs identical to k=0: "
+                  f"{r['same']}/{r['compared']}")
+            failures += args.require_identical and r["same"] < r["compared"]
     print("gpu-check:", "FAILED" if failures else "passed")
+    if args.out:
+        write_results(Path(args.out), dict(
+            device=torch.cuda.get_device_name() if ON_GPU else "cpu", dtype=str(dtype), torch=torch.__version__,
+            kernel_checks={k: v or "ok" for k, v in checks.items()}, failures=failures,
+            engine={case: vars(r) for case, r in results.items()}, forward_paths=paths_,
+            forward_invariance=invariance, through_triton=served,
+            compiled_during_runs=None if before is None else after - before))
     return 1 if failures else 0
 
 

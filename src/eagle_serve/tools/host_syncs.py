@@ -98,13 +98,16 @@ def _caller() -> str:
 
 
 @contextlib.contextmanager
-def kernel_launches_not_counted():
-    """While active, nothing inside a Triton kernel launch is counted (see the module doc)."""
+def kernel_launches_not_counted(on_launch=None):
+    """While active, nothing inside a Triton kernel launch is counted (see the module doc);
+    on_launch(): called once per launch."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     def quiet(run):
         def wrapped(*args, **kwargs):
+            if on_launch is not None and not getattr(_launching, "depth", 0) and not kwargs.get("warmup"):
+                on_launch()
             _launching.depth = getattr(_launching, "depth", 0) + 1
             try:
                 return run(*args, **kwargs)

@@ -141,7 +141,8 @@ class TargetWorker(_Worker):
         s = self.settings
         self.model = TargetModel(self.target_dir, dtype=self.dtype, device=self.device,
                                  num_pages=s.num_target_pages, page_size=s.page_size,
-                                 feature_layers=layers, activations=s.target_activations)
+                                 feature_layers=layers, activations=s.target_activations,
+                                 cuda_graphs=s.cuda_graphs)
         log_warmup("eagle_target", warm_target(self.model))  # not at the first request
 
     def handle(self, pb, request) -> list:

@@ -1,0 +1,63 @@
+"""The target on its GPU path: the fused layer kernels (eagle_serve.kernels.layer_ops) and the
+Triton attention, run through the interpreter on CPU tensors. Its logits agree with the
+PyTorch layers' (float32 tolerance: the norms sum in another order) for each architecture
+the fused loop serves, and one forward launches few kernels a layer: counted with
+eagle_serve.tools.launches, the same operators a GPU would run."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models import ragged
+
+from eagle_serve.core.interfaces import RaggedBatch, RowSampling
+from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.models.target import TargetModel
+from eagle_serve.testing import force_gpu_kernels, make_tiny_target
+from eagle_serve.tools.launches import count_launches
+
+LAUNCHES_PER_LAYER = 10  # norm, qkv, rope + KV write, attention, o_proj, norm, gate_up, act, down
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral"])
+def test_the_fused_layers_give_the_logits_of_the_pytorch_layers(tmp_path, monkeypatch, arch):
+    folder = make_tiny_target(tmp_path / arch, arch, vocab_size=512)
+    prompts = [list(range(5, 26)), [7, 8, 9]]
+    reference = TargetModel(folder, dtype=torch.float32, num_pages=32, page_size=4)
+    expected = reference.logits(ragged(prompts, PagePool(32, 4)), torch.arange(24))
+    force_gpu_kernels(monkeypatch)
+    fused = TargetModel(folder, dtype=torch.float32, num_pages=32, page_size=4)
+    assert fused.fusable
+    logits = fused.logits(ragged(prompts, PagePool(32, 4)), torch.arange(24))
+    assert torch.allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def decode_launches(folder, monkeypatch) -> tuple[int, str]:
+    """Kernels one greedy decode forward (one token after a 9-token prompt) launches."""
+    force_gpu_kernels(monkeypatch)
+    target = TargetModel(folder, dtype=torch.float32, num_pages=8, page_size=4)
+    pool, table = PagePool(8, 4), []
+    prefill = ragged([list(range(5, 14))], pool)
+    target.forward(prefill, torch.tensor([8]), greedy(1))
+    pool.grow(table := prefill.block_tables[0].tolist(), 10)
+    step = RaggedBatch(torch.tensor([40]), torch.tensor([9]), torch.tensor([0, 1]), torch.tensor([10]),
+                       torch.tensor([table]), torch.tensor([pool.slot(table, 9)]), max_query_len=1)
+    rows, sampling = torch.tensor([0]), greedy(1)
+    with count_launches() as counter:
+        target.forward(step, rows, sampling)
+    return counter.total, counter.report()
+
+
+def greedy(rows: int) -> RowSampling:
+    return RowSampling(torch.zeros(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
+                       torch.zeros(rows, dtype=torch.int64), sampled_rows=torch.zeros(0, dtype=torch.int64))
+
+
+def test_a_decode_forward_launches_at_most_ten_kernels_a_layer(tmp_path, monkeypatch):
+    counts = {}
+    for layers in (2, 6):
+        folder = make_tiny_target(tmp_path / f"llama-{layers}", vocab_size=512, num_layers=layers)
+        counts[layers], report = decode_launches(folder, monkeypatch)
+        print(f"{layers} layers: {counts[layers]} launches\n{report}")
+    per_layer = (counts[6] - counts[2]) / 4
+    assert per_layer <= LAUNCHES_PER_LAYER
+    assert counts[2] - 2 * per_layer <= 15  # embedding, RoPE tables, final norm, LM head, argmax
