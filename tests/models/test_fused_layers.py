@@ -1,8 +1,9 @@
 """The target on its GPU path: the fused layer kernels (eagle_serve.kernels.layer_ops) and the
 Triton attention, run through the interpreter on CPU tensors. Its logits agree with the
 PyTorch layers' (float32 tolerance: the norms sum in another order) for each architecture
-the fused loop serves, and one forward launches few kernels a layer: counted with
-eagle_serve.tools.launches, the same operators a GPU would run."""
+the fused loop serves, and one forward launches few kernels a layer; a draft step of the head
+launches a bounded number: counted with eagle_serve.tools.launches, the same operators a GPU
+would run."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,10 @@ from test_models import ragged
 
 from eagle_serve.core.interfaces import RaggedBatch, RowSampling
 from eagle_serve.core.kv_pages import PagePool
+from eagle_serve.core.requests import SamplingParams
+from eagle_serve.local import build_local_engine
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import force_gpu_kernels, make_tiny_target
+from eagle_serve.testing import force_gpu_kernels, make_random_head, make_tiny_target
 from eagle_serve.tools.launches import count_launches
 
 LAUNCHES_PER_LAYER = 10  # norm, qkv, rope + KV write, attention, o_proj, norm, gate_up, act, down
@@ -61,3 +64,34 @@ def test_a_decode_forward_launches_at_most_ten_kernels_a_layer(tmp_path, monkeyp
     per_layer = (counts[6] - counts[2]) / 4
     assert per_layer <= LAUNCHES_PER_LAYER
     assert counts[2] - 2 * per_layer <= 15  # embedding, RoPE tables, final norm, LM head, argmax
+
+
+DRAFT_STEP_LAUNCHES = 36  # a step of a one-layer head (31 measured): its layer and the bookkeeping
+
+
+def draft_launches(folder, head, monkeypatch, drafts: int) -> int:
+    """Kernels one propose call launches for a greedy chain of `drafts` (after a prefill)."""
+    force_gpu_kernels(monkeypatch)
+    engine = build_local_engine(folder, head, dtype=torch.float32, corpus=None, drafter_weights="trained",
+                                draft_call_cost=0.0, draft_step_cost=0.0, draft_min_prob=0.0,
+                                draft_expand_prob=0.0)
+    counts, propose = [], engine.drafter.propose
+
+    def counted(*args, **kwargs):
+        with count_launches() as counter:
+            out = propose(*args, **kwargs)
+        counts.append(counter.total)
+        return out
+    engine.drafter.propose = counted
+    engine.generate([list(range(5, 30))], SamplingParams(max_tokens=20, ignore_eos=True, context_lookup=False,
+                                                         num_speculative_tokens=drafts, draft_topk=1))
+    return counts[1]  # a round's (the first follows the prefill)
+
+
+def test_a_draft_step_launches_a_bounded_number_of_kernels(tmp_path, monkeypatch):
+    folder = make_tiny_target(tmp_path / "llama", vocab_size=512)
+    head = make_random_head(tmp_path / "head", folder, 3, draft_vocab_size=256)
+    one, four = (draft_launches(folder, head, monkeypatch, k) for k in (1, 4))
+    per_step = (four - one) / 3
+    print(f"propose: {one} launches for 1 draft, {four} for 4: {per_step:.1f} a step")
+    assert per_step <= DRAFT_STEP_LAUNCHES

@@ -94,6 +94,17 @@ def warm_layers(model) -> int:
     return 3 + len(rope)
 
 
+def warm_head(head, cache, dtype, device) -> int:
+    """A draft head's layer kernels: its norms (each width), SiLU-and-mul, RoPE + KV write (q, k, v
+    contiguous: separate projections)."""
+    widths = {m.weight.shape[0] for m in head.modules() if type(m).__name__ == "RMSNorm"}
+    for width in widths:
+        x = torch.zeros((1, width), dtype=dtype, device=device)
+        add_rms_norm_triton(x, None, x[0], 1e-6)
+    silu_mul_triton(torch.zeros((1, 2 * head.spec.layer.intermediate_size), dtype=dtype, device=device))
+    return len(widths) + 1 + warm_rope(head, cache, dtype, device)
+
+
 def warm_rope(head, cache, dtype, device) -> int:
     """A draft head's RoPE + KV write: its q, k, v contiguous (separate projections)."""
     cfg, d = head.spec.layer, head.head_dim
@@ -178,11 +189,11 @@ def warm_target(model, force: bool = False) -> WarmupReport | None:
 
 
 def warm_drafter(drafter, force: bool = False) -> WarmupReport | None:
-    """What eagle_serve.models.drafter.Drafter launches: RoPE with the KV write, attention, draft
+    """What eagle_serve.models.drafter.Drafter launches: its layer's kernels, attention, draft
     probabilities over its own vocabulary and sampling from them."""
     def warm():
         spec, cache = drafter.head.spec, drafter.cache
-        return (warm_rope(drafter.head, cache, drafter.dtype, drafter.device)
+        return (warm_head(drafter.head, cache, drafter.dtype, drafter.device)
                 + warm_attention(cache.keys[0], cache.values[0], spec.layer.num_attention_heads)
                 + warm_probs(spec.draft_vocab_size, drafter.dtype, drafter.device)
                 + warm_sample(spec.draft_vocab_size, drafter.device))

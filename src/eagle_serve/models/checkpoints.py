@@ -38,6 +38,7 @@ from eagle_serve.cpu import quant as cpu_quant
 from eagle_serve.cpu.matmul import round_linears_to_q8_0, use_cpu_linears, use_int8_activations
 from eagle_serve.cpu.norm import use_cpu_norms
 from eagle_serve.cpu.quant import int8_activations_run
+from eagle_serve.kernels.layer_ops import fused_layers_run
 from eagle_serve.models.cpu_stack import head_stack
 from eagle_serve.models.drafter import Drafter
 from eagle_serve.models.heads import HEAD_KINDS, EagleHead, HeadSpec
@@ -202,7 +203,9 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
     target_dir = Path(target_dir)
     ckpt = read_head(folder, load_target_config(target_dir))
     head = _build(ckpt, folder, dtype, device)
-    if torch.device(device).type == "cpu":
+    # the CPU's own kernels, unless the layers run on the GPU path's (tests force it on CPU)
+    cpu = torch.device(device).type == "cpu" and not fused_layers_run(torch.empty(0, dtype=dtype))
+    if cpu:
         use_cpu_linears(head)
         use_cpu_norms(head)
         if weights in ("q8_0", "q8_0_a8"):
@@ -221,7 +224,7 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
             lm_head = read_target_tensor(target_dir, ["model.embed_tokens.weight", "embed_tokens.weight"])
     drafter = Drafter(head, embed.to(device), None if lm_head is None else lm_head.to(device),
                       num_pages=num_pages, page_size=page_size)
-    if torch.device(device).type == "cpu":
+    if cpu:
         drafter.stack = head_stack(head, drafter.cache)  # None: the Python loop
     return drafter
 

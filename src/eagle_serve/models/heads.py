@@ -28,6 +28,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle_serve.core.interfaces import RaggedBatch
+from eagle_serve.cpu.matmul import fuse_linears
+from eagle_serve.kernels.layer_ops import add_rms_norm, fused_layers_run, silu_mul
 from eagle_serve.models.paged import PagedKVCache, paged_attention_step
 
 
@@ -66,8 +68,8 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, kv_out, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
-            self.q_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
-            self.k_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
         self.head_dim, self.qk_norm = d, spec.qk_norm
 
     def forward(self, x, cos, sin, batch: RaggedBatch, k_cache, v_cache) -> torch.Tensor:
@@ -80,6 +82,22 @@ class _Attention(nn.Module):
         return self.o_proj(out)
 
 
+def _on_kernels(x: torch.Tensor) -> bool:
+    """The GPU path's fused kernels (eagle_serve.kernels.layer_ops) serve drafting; training
+    (gradients on) keeps PyTorch's ops, which the kernels have no backward for."""
+    return fused_layers_run(x) and not torch.is_grad_enabled()
+
+
+class RMSNorm(LlamaRMSNorm):
+    """HF's LlamaRMSNorm (its weight, its arithmetic): one launch on the GPU path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _on_kernels(x):
+            return super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])  # [N, H]: q/k norms normalise each head's row
+        return add_rms_norm(rows, None, self.weight, self.variance_epsilon)[0].view(x.shape)
+
+
 class _MLP(nn.Module):
     def __init__(self, spec: HeadSpec):
         super().__init__()
@@ -87,8 +105,13 @@ class _MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self._gate_up = None  # the GPU path's fused gate/up projection, built at first use
 
     def forward(self, x):
+        if _on_kernels(x):  # gate and up in one GEMM, SiLU-and-mul in one launch
+            if self._gate_up is None:  # not a submodule: the published weights stay gate's and up's
+                object.__setattr__(self, "_gate_up", fuse_linears([self.gate_proj, self.up_proj]))
+            return self.down_proj(silu_mul(self._gate_up(x)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -101,11 +124,11 @@ class _Layer(nn.Module):
         h, eps = spec.hidden_size, spec.layer.rms_norm_eps
         self.self_attn = _Attention(spec, 2 * h if fused else h)
         self.mlp = _MLP(spec)
-        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps)
         if input_norm:
-            self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+            self.input_layernorm = RMSNorm(h, eps=eps)
         if fused:
-            self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+            self.hidden_norm = RMSNorm(h, eps=eps)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -304,7 +327,7 @@ class Eagle3Head(EagleHead):
         fc_in = len(spec.feature_layers) * spec.target_hidden_size
         self.fc = nn.Linear(fc_in, h, bias=spec.fc_bias)
         self.layers = nn.ModuleList([_Layer(spec, fused=i == 0) for i in range(spec.num_layers)])
-        self.norm = LlamaRMSNorm(h, eps=spec.layer.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=spec.layer.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False) if spec.own_lm_head else None
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
 
