@@ -16,7 +16,7 @@ from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.models.target import TargetModel
 from eagle_serve.testing import force_gpu_kernels, make_random_head, make_tiny_target
-from eagle_serve.tools.launches import count_launches
+from eagle_serve.tools.launches import count_launches, launches_per_call
 
 LAUNCHES_PER_LAYER = 10  # norm, qkv, rope + KV write, attention, o_proj, norm, gate_up, act, down
 
@@ -75,16 +75,9 @@ def draft_launches(folder, head, monkeypatch, drafts: int) -> int:
     engine = build_local_engine(folder, head, dtype=torch.float32, corpus=None, drafter_weights="trained",
                                 draft_call_cost=0.0, draft_step_cost=0.0, draft_min_prob=0.0,
                                 draft_expand_prob=0.0)
-    counts, propose = [], engine.drafter.propose
-
-    def counted(*args, **kwargs):
-        with count_launches() as counter:
-            out = propose(*args, **kwargs)
-        counts.append(counter.total)
-        return out
-    engine.drafter.propose = counted
-    engine.generate([list(range(5, 30))], SamplingParams(max_tokens=20, ignore_eos=True, context_lookup=False,
-                                                         num_speculative_tokens=drafts, draft_topk=1))
+    with launches_per_call(engine.drafter, "propose") as counts:
+        engine.generate([list(range(5, 30))], SamplingParams(max_tokens=20, ignore_eos=True, context_lookup=False,
+                                                             num_speculative_tokens=drafts, draft_topk=1))
     return counts[1]  # a round's (the first follows the prefill)
 
 

@@ -90,7 +90,7 @@ def compiled_count(device: torch.device) -> int | None:
 
 def attention_batch(q_heads: int, kv_heads: int, head_dim: int, dtype, device, gen):
     """A decode request, a verify request of 4 and a 3-node draft tree over a shuffled cache."""
-    page, n_q, lens = 16, [1, 4, 3], [37, 70, 21]
+    page, lens = 16, [37, 70, 21]  # new tokens: 1, 4 and 3 (cu below)
     pages = [-(-n // page) for n in lens]
     k_cache = torch.randn(sum(pages) + 2, page, kv_heads, head_dim, generator=gen).to(device, dtype)
     v_cache = torch.randn(sum(pages) + 2, page, kv_heads, head_dim, generator=gen).to(device, dtype)

@@ -13,7 +13,7 @@ from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.kernels import layer_ops as lo
-from eagle_serve.tools.launches import count_launches
+from eagle_serve.tools.launches import launches_per_call
 
 PATHS = ("PyTorch layers", "fused layers", "fused + CUDA graphs")
 
@@ -33,18 +33,8 @@ def forward_path(engine, path: str):
 
 def decode_launches(engine, prompt: list[int]) -> int:
     """Kernels launched by the target's forward at a plain greedy decode step."""
-    counts, original = [], engine.target.forward
-
-    def counted(*args, **kwargs):
-        with count_launches() as counter:
-            out = original(*args, **kwargs)
-        counts.append(counter.total)
-        return out
-    engine.target.forward = counted
-    try:
+    with launches_per_call(engine.target, "forward") as counts:
         engine.generate([prompt], SamplingParams(max_tokens=3, num_speculative_tokens=0))
-    finally:
-        del engine.target.forward
     return counts[-1]
 
 

@@ -62,3 +62,21 @@ def count_launches():
     counter = LaunchCounter()
     with kernel_launches_not_counted(counter.triton_launch), counter:
         yield counter
+
+
+@contextlib.contextmanager
+def launches_per_call(owner, method: str):
+    """While active, every call of `owner.method` (an instance's method) counts the kernels it
+    launches: yields the list of totals, one per call."""
+    counts, original = [], getattr(owner, method)
+
+    def counted(*args, **kwargs):
+        with count_launches() as counter:
+            out = original(*args, **kwargs)
+        counts.append(counter.total)
+        return out
+    setattr(owner, method, counted)
+    try:
+        yield counts
+    finally:
+        delattr(owner, method)  # the class's method again
