@@ -46,7 +46,9 @@ PROCESSOR_INPUTS = tuple("proc_" + name for name in LogitsProcessors.names())
 
 
 def to_pb(pb, name: str, tensor: torch.Tensor):
-    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor.contiguous()))
+    # the tensor itself, not a DLPack capsule: Triton then asks it for its data on its own
+    # stream (__dlpack__(stream=...)), so a GPU tensor's pending writes are ordered before use
+    return pb.Tensor.from_dlpack(name, tensor.contiguous())
 
 
 def input_tensor(pb, request, name: str, optional: bool = False) -> torch.Tensor | None:
@@ -56,13 +58,13 @@ def input_tensor(pb, request, name: str, optional: bool = False) -> torch.Tensor
         if optional:
             return None
         raise ValueError(f"input '{name}' is missing")
-    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+    return torch.from_dlpack(tensor)
 
 
 def output_tensor(pb, response, name: str) -> torch.Tensor | None:
     """A BLS response's output as a torch tensor (None if absent), zero-copy."""
     tensor = pb.get_output_tensor_by_name(response, name)
-    return None if tensor is None else torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+    return None if tensor is None else torch.from_dlpack(tensor)
 
 
 def batch_tensors(pb, batch: RaggedBatch, sampling: RowSampling) -> list:
