@@ -168,18 +168,18 @@ class TargetModel:
                                  f"(in float32)")
         elif cpu and amx_tiles():
             use_amx_tiles(self.cpu_linears())  # fp32 still: verify rows cost a fraction (cpu_amx)
-        self.graphs = None
+        self.stack = self.cpu_stack() if cpu else None  # None: hidden_states runs the Python loop
+        # greedy rows' tokens from a few fp32 logits (None: every logit; see cpu_argmax; a soft
+        # cap saturates, so capped logits may tie where the raw ones do not)
+        self.screen = (ScreenedArgmax(self.hf.lm_head)
+                       if cpu and screenable(self.hf.lm_head) and not self.final_softcap else None)
+        self.graphs = None  # last: its probe runs the forward
         if cuda_graphs and self.device.type == "cuda" and self.fusable and graphable(self.hf.model.rotary_emb):
             self.graphs = TargetGraphs(self._hidden_states, num_pages, self.device, capture=True)
             if not self.graphs.verified():  # this GPU replays them differently: eager
                 logging.getLogger(__name__).warning("CUDA graphs off: %s", self.graphs.failed or
                                                     "a replay differs from the eager forward")
                 self.graphs = None
-        self.stack = self.cpu_stack() if cpu else None  # None: hidden_states runs the Python loop
-        # greedy rows' tokens from a few fp32 logits (None: every logit; see cpu_argmax; a soft
-        # cap saturates, so capped logits may tie where the raw ones do not)
-        self.screen = (ScreenedArgmax(self.hf.lm_head)
-                       if cpu and screenable(self.hf.lm_head) and not self.final_softcap else None)
 
     def _fusable_arch(self) -> bool:
         """Llama-like norms (weight * normed, one before each sublayer): the GPU runs the fused
