@@ -368,3 +368,37 @@ def force_gpu_kernels(monkeypatch) -> None:
 
     for module in (layer_ops, paged_attention, rejection, sampling, workspace):
         monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
+
+
+def ragged_prefill(prompts: list[list[int]], pool) -> RaggedBatch:
+    """Prefill batch of several prompts; pages handed out interleaved so tables are not trivial."""
+    tables = [[] for _ in prompts]
+    for n in range(1, max(len(p) for p in prompts) + 1):
+        for t, p in zip(tables, prompts):
+            if n <= len(p):
+                pool.grow(t, n)
+    width = max(len(t) for t in tables)
+    cu = [0]
+    for p in prompts:
+        cu.append(cu[-1] + len(p))
+    return RaggedBatch(
+        input_ids=torch.tensor([x for p in prompts for x in p]),
+        positions=torch.tensor([i for p in prompts for i in range(len(p))]),
+        cu_seqlens=torch.tensor(cu), seq_lens=torch.tensor([len(p) for p in prompts]),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor([pool.slot(t, i) for t, p in zip(tables, prompts) for i in range(len(p))]))
+
+
+ALPHA = 1e-6  # significance level of the statistical tests (fixed seeds: a failure is a bug)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit over the cells with positive probability."""
+    from scipy.stats import chi2
+
+    n = counts.sum()
+    support = probs > 0
+    assert int(counts[~support].sum()) == 0, "a token with probability 0 was produced"
+    expected = probs[support].double() * n
+    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    return float(chi2.sf(stat, int(support.sum()) - 1))

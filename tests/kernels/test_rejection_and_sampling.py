@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chi2
 
 from eagle_serve.kernels.rejection import (
     greedy_accept_ref,
@@ -12,18 +11,7 @@ from eagle_serve.kernels.rejection import (
     random_tree_accept_ref,
 )
 from eagle_serve.kernels.sampling import DRAFT, SAMPLE, compute_probs_ref, coupled_scores, keyed_uniform, sample_ref
-
-ALPHA = 1e-6
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit over the cells with positive probability."""
-    n = counts.sum()
-    support = probs > 0
-    assert int(counts[~support].sum()) == 0, "a token with probability 0 was produced"
-    expected = probs[support].double() * n
-    stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
-    return float(chi2.sf(stat, int(support.sum()) - 1))
+from eagle_serve.testing import ALPHA, chi2_pvalue
 
 
 def test_greedy_accepts_the_matching_prefix_then_the_targets_token():

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 import torch
-from test_rejection_and_sampling import ALPHA, chi2_pvalue
 
 from eagle_serve.kernels.rejection import greedy_accept, greedy_accept_ref, random_accept, random_accept_ref
 from eagle_serve.kernels.sampling import DRAFT, sample
+from eagle_serve.testing import ALPHA, chi2_pvalue
 
 
 def ragged(num_drafts: list[int]) -> torch.Tensor:
@@ -113,3 +113,4 @@ def test_random_kernel_repeats_for_a_seed_and_ignores_the_batch():
     alone = random_accept(drafts[4:], torch.tensor([0, 4]), p[6:], q[4:], seeds[2:], positions[2:],
                           impl="triton")
     assert torch.equal(alone[0][0], first[0][2]) and int(alone[1][0]) == int(first[1][2])
+

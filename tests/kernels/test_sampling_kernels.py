@@ -5,10 +5,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from test_rejection_and_sampling import ALPHA, chi2_pvalue
 
 from eagle_serve.kernels import sampling
 from eagle_serve.kernels.sampling import DRAFT, SAMPLE, compute_probs, compute_probs_ref, sample, sample_ref
+from eagle_serve.testing import ALPHA, chi2_pvalue
 
 
 def assert_probs_close(kernel: torch.Tensor, ref: torch.Tensor) -> None:
@@ -134,3 +134,4 @@ def test_the_per_row_philox_draws_tl_rands_bits():
     same = torch.zeros(64, dtype=torch.int32)
     _bits_kernel[(1,)](same, sampling.key_seed(3, 7, SAMPLE), BLOCK=64)
     assert bool(same.all())
+

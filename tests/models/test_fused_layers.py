@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models import ragged
 
 from eagle_serve.core.interfaces import RaggedBatch, RowSampling
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import force_gpu_kernels, make_random_head, make_tiny_target
+from eagle_serve.testing import force_gpu_kernels, make_random_head, make_tiny_target, ragged_prefill
 from eagle_serve.tools.launches import count_launches, launches_per_call
 
 LAUNCHES_PER_LAYER = 10  # norm, qkv, rope + KV write, attention, o_proj, norm, gate_up, act, down
@@ -26,11 +25,11 @@ def test_the_fused_layers_give_the_logits_of_the_pytorch_layers(tmp_path, monkey
     folder = make_tiny_target(tmp_path / arch, arch, vocab_size=512)
     prompts = [list(range(5, 26)), [7, 8, 9]]
     reference = TargetModel(folder, dtype=torch.float32, num_pages=32, page_size=4)
-    expected = reference.logits(ragged(prompts, PagePool(32, 4)), torch.arange(24))
+    expected = reference.logits(ragged_prefill(prompts, PagePool(32, 4)), torch.arange(24))
     force_gpu_kernels(monkeypatch)
     fused = TargetModel(folder, dtype=torch.float32, num_pages=32, page_size=4)
     assert fused.fusable
-    logits = fused.logits(ragged(prompts, PagePool(32, 4)), torch.arange(24))
+    logits = fused.logits(ragged_prefill(prompts, PagePool(32, 4)), torch.arange(24))
     assert torch.allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -39,7 +38,7 @@ def decode_launches(folder, monkeypatch) -> tuple[int, str]:
     force_gpu_kernels(monkeypatch)
     target = TargetModel(folder, dtype=torch.float32, num_pages=8, page_size=4)
     pool, table = PagePool(8, 4), []
-    prefill = ragged([list(range(5, 14))], pool)
+    prefill = ragged_prefill([list(range(5, 14))], pool)
     target.forward(prefill, torch.tensor([8]), greedy(1))
     pool.grow(table := prefill.block_tables[0].tolist(), 10)
     step = RaggedBatch(torch.tensor([40]), torch.tensor([9]), torch.tensor([0, 1]), torch.tensor([10]),

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models import ragged
 
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.models.graphs import Bucket, TargetGraphs, bucket_of
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import force_gpu_kernels, make_tiny_target
+from eagle_serve.testing import force_gpu_kernels, make_tiny_target, ragged_prefill
 from eagle_serve.tools.host_syncs import count_host_syncs
 
 PROMPTS = [list(range(5, 26)), [7, 8, 9], list(range(30, 41))]
@@ -47,7 +46,7 @@ def test_a_padded_batch_gives_its_rows_what_the_unpadded_forward_gives(folder, m
     force_gpu_kernels(monkeypatch)
     target = TargetModel(folder, dtype=torch.float32, num_pages=64, page_size=4)
     pool = PagePool(64, 4)
-    prefill = ragged(PROMPTS, pool)
+    prefill = ragged_prefill(PROMPTS, pool)
     target.forward(prefill, torch.zeros(0, dtype=torch.int64), _no_sampling())
     tables = [[int(p) for p in row if p >= 0] for row in prefill.block_tables]
     new = CASES["verify" if case == "tree" else case]

@@ -14,31 +14,12 @@ from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.models.checkpoints import CheckpointError, load_drafter, load_head
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import make_random_head
-
-
-def ragged(prompts, pool: PagePool) -> RaggedBatch:
-    """Prefill batch of several prompts; pages handed out interleaved so tables are not trivial."""
-    tables = [[] for _ in prompts]
-    for n in range(1, max(len(p) for p in prompts) + 1):
-        for t, p in zip(tables, prompts):
-            if n <= len(p):
-                pool.grow(t, n)
-    width = max(len(t) for t in tables)
-    cu = [0]
-    for p in prompts:
-        cu.append(cu[-1] + len(p))
-    return RaggedBatch(
-        input_ids=torch.tensor([x for p in prompts for x in p]),
-        positions=torch.tensor([i for p in prompts for i in range(len(p))]),
-        cu_seqlens=torch.tensor(cu), seq_lens=torch.tensor([len(p) for p in prompts]),
-        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
-        slot_mapping=torch.tensor([pool.slot(t, i) for t, p in zip(tables, prompts) for i in range(len(p))]))
+from eagle_serve.testing import make_random_head, ragged_prefill
 
 
 def check_against_hf(folder, dtype, prompts, tol, page_size=5):
     target = TargetModel(folder, dtype=dtype, num_pages=64, page_size=page_size)
-    batch = ragged(prompts, PagePool(64, page_size))
+    batch = ragged_prefill(prompts, PagePool(64, page_size))
     logits = target.logits(batch, torch.arange(batch.input_ids.shape[0]))
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     cu = batch.cu_seqlens.tolist()
@@ -61,7 +42,7 @@ def test_target_logits_equal_hf_on_the_default_smollm2(prompts):
 def test_eagle3_features_are_the_inputs_of_layers_2_mid_and_last_minus_3(tiny_target, prompts):
     target = TargetModel(tiny_target, dtype=torch.float64, num_pages=16, page_size=8,
                          feature_layers=(2, 2, 1))
-    batch = ragged(prompts[:1], PagePool(16, 8))
+    batch = ragged_prefill(prompts[:1], PagePool(16, 8))
     _, features = target.hidden_states(batch)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float64).eval()
     with torch.no_grad():
@@ -129,7 +110,7 @@ def test_a_sampled_request_without_drafts_adds_no_draft_probabilities(tiny_targe
     from eagle_serve.core.interfaces import DraftShapes, RowSampling
     drafter = load_drafter(eagle1_head, tiny_target, dtype=torch.float64, num_pages=16, page_size=4)
     seqs = [[5, 6, 7, 8], [9, 10, 11]]
-    short = ragged(seqs, PagePool(16, 4))  # pages 0, 1 / 2 ... then room for the drafts
+    short = ragged_prefill(seqs, PagePool(16, 4))  # pages 0, 1 / 2 ... then room for the drafts
     batch = RaggedBatch(short.input_ids, short.positions, short.cu_seqlens, short.seq_lens,
                         torch.tensor([[0, 2, 4], [1, 3, 5]]), short.slot_mapping)
     features = torch.randn(7, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
