@@ -389,6 +389,12 @@ def ragged_prefill(prompts: list[list[int]], pool) -> RaggedBatch:
         slot_mapping=torch.tensor([pool.slot(t, i) for t, p in zip(tables, prompts) for i in range(len(p))]))
 
 
+def greedy_rows(rows: int) -> RowSampling:
+    """Sampling parameters of `rows` greedy rows (the host knows none is sampled)."""
+    return RowSampling(torch.zeros(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
+                       torch.zeros(rows, dtype=torch.int64), sampled_rows=torch.zeros(0, dtype=torch.int64))
+
+
 ALPHA = 1e-6  # significance level of the statistical tests (fixed seeds: a failure is a bug)
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_serve.core.interfaces import RaggedBatch, RowSampling
+from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import force_gpu_kernels, make_random_head, make_tiny_target, ragged_prefill
+from eagle_serve.testing import force_gpu_kernels, greedy_rows, make_random_head, make_tiny_target, ragged_prefill
 from eagle_serve.tools.launches import count_launches, launches_per_call
 
 LAUNCHES_PER_LAYER = 10  # norm, qkv, rope + KV write, attention, o_proj, norm, gate_up, act, down
@@ -39,19 +39,14 @@ def decode_launches(folder, monkeypatch) -> tuple[int, str]:
     target = TargetModel(folder, dtype=torch.float32, num_pages=8, page_size=4)
     pool, table = PagePool(8, 4), []
     prefill = ragged_prefill([list(range(5, 14))], pool)
-    target.forward(prefill, torch.tensor([8]), greedy(1))
+    target.forward(prefill, torch.tensor([8]), greedy_rows(1))
     pool.grow(table := prefill.block_tables[0].tolist(), 10)
     step = RaggedBatch(torch.tensor([40]), torch.tensor([9]), torch.tensor([0, 1]), torch.tensor([10]),
                        torch.tensor([table]), torch.tensor([pool.slot(table, 9)]), max_query_len=1)
-    rows, sampling = torch.tensor([0]), greedy(1)
+    rows, sampling = torch.tensor([0]), greedy_rows(1)
     with count_launches() as counter:
         target.forward(step, rows, sampling)
     return counter.total, counter.report()
-
-
-def greedy(rows: int) -> RowSampling:
-    return RowSampling(torch.zeros(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
-                       torch.zeros(rows, dtype=torch.int64), sampled_rows=torch.zeros(0, dtype=torch.int64))
 
 
 def test_a_decode_forward_launches_at_most_ten_kernels_a_layer(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.models.graphs import Bucket, TargetGraphs, bucket_of
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import force_gpu_kernels, make_tiny_target, ragged_prefill
+from eagle_serve.testing import force_gpu_kernels, greedy_rows, make_tiny_target, ragged_prefill
 from eagle_serve.tools.host_syncs import count_host_syncs
 
 PROMPTS = [list(range(5, 26)), [7, 8, 9], list(range(30, 41))]
@@ -47,7 +47,7 @@ def test_a_padded_batch_gives_its_rows_what_the_unpadded_forward_gives(folder, m
     target = TargetModel(folder, dtype=torch.float32, num_pages=64, page_size=4)
     pool = PagePool(64, 4)
     prefill = ragged_prefill(PROMPTS, pool)
-    target.forward(prefill, torch.zeros(0, dtype=torch.int64), _no_sampling())
+    target.forward(prefill, torch.zeros(0, dtype=torch.int64), greedy_rows(0))
     tables = [[int(p) for p in row if p >= 0] for row in prefill.block_tables]
     new = CASES["verify" if case == "tree" else case]
     tree = None
@@ -66,12 +66,6 @@ def test_a_padded_batch_gives_its_rows_what_the_unpadded_forward_gives(folder, m
     for got, want in zip(padded, expected):
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-def _no_sampling():
-    from eagle_serve.core.interfaces import RowSampling
-    empty = torch.zeros(0)
-    return RowSampling(empty, empty.long(), empty, empty.long(), sampled_rows=empty.long())
 
 
 def test_prefills_and_oversized_batches_have_no_bucket():

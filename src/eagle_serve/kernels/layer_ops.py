@@ -62,10 +62,11 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 def rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; cos, sin: [T, R]; caches [P, page, Hkv, D];
-    slot_mapping: [T] (-1 = skip) -> rotated q [T, Hq, D] (k rotated and v written to the cache)"""
+    slot_mapping: [T] (-1 = skip) -> rotated q [T, Hq, D] (k rotated and v written to the cache;
+    q a view, where the kernel writes it contiguous)"""
     q, k = apply_rope(q, k, cos, sin)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return q.contiguous()
+    return q
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

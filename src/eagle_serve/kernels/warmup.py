@@ -96,24 +96,19 @@ def warm_layers(model) -> int:
 
 def warm_head(head, cache, dtype, device) -> int:
     """A draft head's layer kernels: its norms (each width), SiLU-and-mul, RoPE + KV write (q, k, v
-    contiguous: separate projections)."""
+    contiguous: separate projections). Writes skip every slot."""
     widths = {m.weight.shape[0] for m in head.modules() if type(m).__name__ == "RMSNorm"}
     for width in widths:
         x = torch.zeros((1, width), dtype=dtype, device=device)
         add_rms_norm_triton(x, None, x[0], 1e-6)
     silu_mul_triton(torch.zeros((1, 2 * head.spec.layer.intermediate_size), dtype=dtype, device=device))
-    return len(widths) + 1 + warm_rope(head, cache, dtype, device)
-
-
-def warm_rope(head, cache, dtype, device) -> int:
-    """A draft head's RoPE + KV write: its q, k, v contiguous (separate projections)."""
     cfg, d = head.spec.layer, head.head_dim
     q = torch.zeros((1, cfg.num_attention_heads, d), dtype=dtype, device=device)
     kv = torch.zeros((1, cfg.num_key_value_heads, d), dtype=dtype, device=device)
     cos, sin = head.rotary(q, torch.zeros((1, 1), dtype=torch.int64, device=device))
     skip = torch.full((1,), -1, dtype=torch.int64, device=device)
     rope_write_kv_triton(q, kv, kv, cos[0], sin[0], cache.keys[0], cache.values[0], skip)
-    return 1
+    return len(widths) + 2
 
 
 def warm_probs(vocab: int, dtype: torch.dtype, device) -> int:

@@ -11,8 +11,7 @@ import torch
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.kernels import layer_ops
 from eagle_serve.kernels.cpu import rope_write_kv
-from eagle_serve.kernels.layer_ops import apply_rope, fused_layers_run
-from eagle_serve.kernels.paged_attention import cpu_rope_write_kv_runs, paged_attention, write_kv_ref
+from eagle_serve.kernels.paged_attention import cpu_rope_write_kv_runs, paged_attention
 
 
 class PagedKVCache:
@@ -42,11 +41,8 @@ def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     """
     if cpu_rope_write_kv_runs(q, k_cache, cos):  # fp32 on CPU: one C++ call (eagle_serve/kernels/cpu.cpp)
         q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
-    elif fused_layers_run(q):  # on the GPU: one launch (eagle_serve.kernels.layer_ops)
-        q = layer_ops.rope_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
-    else:
-        q, k = apply_rope(q, k, cos, sin)
-        write_kv_ref(k, v, k_cache, v_cache, batch.slot_mapping)
+    else:  # on a GPU one launch; else PyTorch's RoPE and KV write (eagle_serve.kernels.layer_ops)
+        q = layer_ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
     out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens,
                           scale, tree_mask=batch.tree_mask, window=window, softcap=softcap,
                           positions=batch.positions if window > 0 else None,

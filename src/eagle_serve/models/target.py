@@ -132,9 +132,11 @@ class TargetModel:
         self.arch = arch = architecture_of(cfg)
         moe = {"experts_implementation": "eager"} if arch.moe else {}  # any dtype, any device
         self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **moe).to(device).eval()
+        # Llama-like norms (weight * normed, one before each sublayer): the GPU runs the fused
+        # layer kernels (eagle_serve.kernels.layer_ops)
+        self.fusable = not (arch.sandwich_norms or arch.norm_plus_one)
         # the CPU's own kernels, unless the layers run on the GPU path's (tests force it on CPU)
-        cpu = self.hf.device.type == "cpu" and not (
-            self._fusable_arch() and fused_layers_run(self.hf.lm_head.weight))
+        cpu = self.hf.device.type == "cpu" and not (self.fusable and fused_layers_run(self.hf.lm_head.weight))
         if cpu:
             use_cpu_linears(self.hf)  # see cpu_matmul: MKL is slow for 2+ rows here
             use_cpu_norms(self.hf, plus_one=arch.norm_plus_one)  # one call a norm, not six ops
@@ -155,7 +157,6 @@ class TargetModel:
         self.q_width = cfg.num_attention_heads * self.head_dim
         self.kv_width = cfg.num_key_value_heads * self.head_dim
         self.layers = [self._plan(i) for i in range(self.num_layers)]
-        self.fusable = self._fusable_arch()
         if cpu:
             # a GGUF target's linears then read a fifth of the bytes (see cpu_quant)
             find_block_weights(self.hf, self.fused_linears())
@@ -180,11 +181,6 @@ class TargetModel:
                 logging.getLogger(__name__).warning("CUDA graphs off: %s", self.graphs.failed or
                                                     "a replay differs from the eager forward")
                 self.graphs = None
-
-    def _fusable_arch(self) -> bool:
-        """Llama-like norms (weight * normed, one before each sublayer): the GPU runs the fused
-        layer kernels (eagle_serve.kernels.layer_ops)."""
-        return not (self.arch.sandwich_norms or self.arch.norm_plus_one)
 
     def fused_linears(self) -> list[nn.Module]:
         """Each layer's fused q/k/v and gate/up linears (not among the HF model's modules)."""
@@ -277,10 +273,10 @@ class TargetModel:
         model = self.hf.model
         h = model.embed_tokens(batch.input_ids)  # [T, H]
         rope = self._rope(h, batch.positions)
-        stacked = None
         if self.fusable and fused_layers_run(h):  # on a GPU: few launches a layer
             final, aux = self._fused_layers(h, rope, batch)
         else:
+            stacked = None
             if self.stack is not None:  # on a CPU: the same ops in one C++ call
                 cos, sin = next(iter(rope.values()))  # its layers share one RoPE table
                 stacked = self.stack(h, cos, sin, batch, self.feature_layers or ())
