@@ -11,6 +11,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 SERVE_ARGS ?=
 GPU_CHECK_ARGS ?=
 
@@ -43,12 +44,13 @@ replicas: setup
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) \
 		ROUTER_PORT=$(ROUTER_PORT) exec $(PY) -m eagle_serve.server.replicas --replicas $(N) $(SERVE_ARGS)
 
+# A worker per core, each test module on one worker (its servers and module fixtures once).
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); code=$$?; \
 		if [ $$code -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$code
 
 test-fast: setup
-	$(PY) -m pytest -m "not server and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not server and not slow" $(PYTEST_ARGS)
 
 # Once on a GPU machine: kernels compiled and checked, k=0 vs the default draft shape (without
 # a GPU: the same checks on CPU). In the GPU image: docker compose run --rm --entrypoint

@@ -1,5 +1,5 @@
 """Shared fixtures. `triton_server(name, models=None, overrides=None, model_config_name=None)`
-starts (once per name and session) the real tritonserver on a copy of model_repository/ and
+starts (once per name, while in use: triton_pool.ServerPool) the real tritonserver on a copy of model_repository/ and
 returns a `triton_pool.TritonServer` (http_url, grpc_url, metrics_url, log_path, repo). A failing
 test that used one gets the tail of its log in the report. `tiny_models` are the float64 tiny
 Llama (with the default model's tokenizer) and its random heads that `triton_pool.tiny_server`
@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernel tests
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs a worker per core: one torch thread each, and OpenMP threads (a served
+    # target's two) sleep while they wait instead of spinning on the core the other worker needs
+    os.environ.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0")
 # the test folders mirror the package's layers; a module may import another's helpers by name
 sys.path[:0] = [str(d) for d in sorted(Path(__file__).parent.iterdir())
                 if d.is_dir() and not d.name.startswith(("_", "."))]
@@ -18,9 +22,13 @@ sys.path[:0] = [str(d) for d in sorted(Path(__file__).parent.iterdir())
 import random  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from triton_pool import ServerPool  # noqa: E402
 
 from eagle_serve.server.launch import TritonServer  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case torch set up its threads before OMP_NUM_THREADS was set
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +57,21 @@ def triton_server(tmp_path_factory):
     pool = ServerPool(tmp_path_factory.mktemp("tritonserver"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers_know_the_module(request):
+    """The pool keeps the servers the running module asked for (autouse: set before the
+    module's own fixtures ask)."""
+    request.getfixturevalue("triton_server").module = request.module.__name__
+
+
+def pytest_collection_modifyitems(items):
+    """Modules with `server` or `slow` tests first (in their order, each kept whole), so that
+    the workers of `make test`, which take modules in this order, finish together."""
+    heavy = {item.module for item in items
+             if item.get_closest_marker("server") or item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in heavy)
 
 
 def servers_used(item) -> list[TritonServer]:

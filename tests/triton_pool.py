@@ -23,14 +23,21 @@ from eagle_serve.triton_backend.repo_config import copy_repository
 
 
 class ServerPool:
-    """One server per name for the whole test session; a failed start is remembered so later
-    tests fail at once instead of waiting again."""
+    """One server per name, started when first asked for; a failed start is remembered so later
+    tests fail at once instead of waiting again. Each server is ~1.8 GB of model processes and
+    `make test` runs a pool per worker: starting one stops those beyond `max_live - 1`, the
+    one asked for longest ago first, but never one the running test module asked for (`module`,
+    kept by conftest); asked for again later, a server starts again."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, max_live: int = 1):
         self.workdir = Path(workdir)
-        self.servers: dict[str, TritonServer] = {}
+        self.max_live = max_live
+        self.module = ""
+        self.servers: dict[str, TritonServer] = {}  # live, least recently asked for first
+        self._asked_by: dict[str, str] = {}  # name -> the module that last asked for it
         self._requests: dict[str, tuple] = {}
         self._failures: dict[str, BaseException] = {}
+        self._starts = 0
 
     def __call__(self, name: str, models: list[str] | None = None,
                  overrides: dict[str, dict[str, str]] | None = None,
@@ -40,11 +47,16 @@ class ServerPool:
             raise ValueError(f"server '{name}' was already started with {self._requests[name]}, "
                              f"now asked for {request}: use another name")
         self._requests[name] = request
+        self._asked_by[name] = self.module
         if name in self._failures:
             raise RuntimeError(f"server '{name}' failed to start earlier") from self._failures[name]
-        if name not in self.servers:
-            folder = self.workdir / name
-            folder.mkdir(parents=True, exist_ok=True)
+        if name in self.servers:
+            self.servers[name] = self.servers.pop(name)  # most recently asked for: last
+        else:
+            self._make_room()
+            self._starts += 1
+            folder = self.workdir / name / f"start{self._starts}"
+            folder.mkdir(parents=True)
             repo = copy_repository(paths.REPO_ROOT / "model_repository", folder / "repo",
                                    models, overrides)
             try:
@@ -54,6 +66,11 @@ class ServerPool:
                 raise
         return self.servers[name]
 
+    def _make_room(self) -> None:
+        idle = [name for name in self.servers if self._asked_by[name] != self.module]
+        while len(self.servers) >= self.max_live and idle:
+            self.servers.pop(idle.pop(0)).stop()
+
     def close(self) -> None:
         """Every server stopped, all at once (each may take seconds to drain)."""
         for server in self.servers.values():
@@ -62,6 +79,13 @@ class ServerPool:
         for server in self.servers.values():
             server.stop()
         self.servers.clear()
+
+
+def default_server(pool: ServerPool) -> TritonServer:
+    """The shipped configuration on the default model, with the static draft costs: measured
+    costs follow the machine's load (another test worker's too), and with them which drafts are
+    made. tests/spec/test_measured_costs.py checks the measured ones."""
+    return pool("default", overrides={"spec_decode": {"measured_draft_costs": "false"}})
 
 
 def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str, name: str = "",

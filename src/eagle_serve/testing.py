@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -408,3 +409,17 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs[support].double() * n
     stat = float(((counts[support].double() - expected) ** 2 / expected).sum())
     return float(chi2.sf(stat, int(support.sum()) - 1))
+
+
+@contextmanager
+def other_thread_count():
+    """torch's CPU threads changed for the block: 1 where more run, else 2 (a test run with one
+    thread per worker), so a result that must not depend on the thread count is compared
+    across two counts either way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+

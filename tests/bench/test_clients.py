@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from triton_pool import tiny_server
+from triton_pool import default_server, tiny_server
 
 from eagle_serve import paths
 
@@ -40,7 +40,7 @@ def prompts_file(tmp_path: Path, prompts: list[str] = ("Name a color.", "Write a
 
 @pytest.mark.server
 def test_generate_cli_prints_the_answer_over_grpc_stream_http_and_sse(triton_server):
-    server = triton_server("default")
+    server = default_server(triton_server)
     prompt, common = "What is the capital of France?", ["--max-tokens", "24"]
     grpc = generate("--url", server.grpc_url, "--num-speculative-tokens", "2", *common, prompt)
     http = generate("--protocol", "http", "--url", server.http_url, "--num-speculative-tokens", "0",
@@ -62,7 +62,7 @@ def test_generate_cli_prints_the_answer_over_grpc_stream_http_and_sse(triton_ser
 
 @pytest.mark.server
 def test_generate_cli_exits_nonzero_with_the_servers_error(triton_server):
-    server = triton_server("default")
+    server = default_server(triton_server)
     bad_grpc = generate("--url", server.grpc_url, "--top-p", "1.5", "Hi")
     bad_http = generate("--protocol", "http", "--url", server.http_url, "--top-p", "1.5", "Hi")
     for got in (bad_grpc, bad_http):
@@ -249,7 +249,7 @@ def locust_run(tmp_path: Path, server, seconds: int, *user_classes: str):
 
 @pytest.mark.server
 def test_locust_default_user_posts_generate_for_15_seconds_without_failures(triton_server, tmp_path):
-    got, rows = locust_run(tmp_path, triton_server("default"), 15)
+    got, rows = locust_run(tmp_path, default_server(triton_server), 15)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     assert set(rows) == {("POST", "/generate"), ("", "Aggregated")}  # the HTTP user only
     assert int(rows["", "Aggregated"]["Request Count"]) > 0

@@ -12,7 +12,14 @@ from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.cpu.quant import block_form
 from eagle_serve.kernels.cpu import amx_tiles
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import assert_drafts_verify_to_plain, gguf_weight, q8_0_target, round_to_q4_1, tiny_engine
+from eagle_serve.testing import (
+    assert_drafts_verify_to_plain,
+    gguf_weight,
+    other_thread_count,
+    q8_0_target,
+    round_to_q4_1,
+    tiny_engine,
+)
 
 pytestmark = pytest.mark.skipif(not amx_tiles(), reason="AMX tiles: a CPU with AMX-BF16 (e.g. Xeon Sapphire Rapids)")
 
@@ -33,12 +40,8 @@ def test_a_q4_1_linear_on_amx_tiles_is_fp32_grade_and_the_same_for_any_rows_and_
     alone = torch.cat([tiles.linear(x[r:r + 1], bias) for r in range(len(x))])
     for rows in range(0, len(x) + 1):  # 1 .. 15 rows in chunks of 5, 16 a tile a limb, more in passes
         assert torch.equal(tiles.linear(x[:rows], bias), alone[:rows]), f"{rows} rows"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with other_thread_count():
         assert torch.equal(tiles.linear(x, bias), alone)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(alone, out)
 
 

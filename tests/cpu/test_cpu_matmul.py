@@ -15,6 +15,7 @@ from eagle_serve.cpu.matmul import CpuLinear, fuse_linears, onednn_bf16
 from eagle_serve.kernels.cpu import cpu_flags, cpu_kernels
 from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.models.target import TargetModel
+from eagle_serve.testing import other_thread_count
 
 
 @pytest.mark.skipif(not ({"avx2", "fma"} <= cpu_flags() and shutil.which("c++") and is_ninja_available()),
@@ -57,16 +58,12 @@ def test_the_fp32_row_kernel_gives_a_row_the_same_bits_in_any_batch_and_on_any_t
     fused = fuse_linears([CpuLinear(nn.Linear(width, w)) for w in parts])
     assert fused.cpu_kernel
     x = torch.randn(20, width)
-    threads = torch.get_num_threads()
     with torch.inference_mode():
         alone = torch.cat([fused(x[r:r + 1]) for r in range(20)])
         for rows in range(2, 21):
             assert torch.equal(fused(x[:rows]), alone[:rows]), f"{rows} rows"
-        torch.set_num_threads(1)
-        try:
+        with other_thread_count():
             assert torch.equal(fused(x), alone)
-        finally:
-            torch.set_num_threads(threads)
     expected = x.double() @ fused.weight.double().T + fused.bias.double()
     torch.testing.assert_close(alone.double(), expected, rtol=1e-5, atol=1e-5)
 

@@ -19,7 +19,7 @@ from eagle_serve.cpu.matmul import CpuLinear, find_block_weights, fuse_linears
 from eagle_serve.cpu.quant import block_form, round_to_q8_0
 from eagle_serve.kernels.cpu import cpu_kernels, wide_linears
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import gguf_weight, tiny_engine
+from eagle_serve.testing import gguf_weight, other_thread_count, tiny_engine
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the row kernels need AVX2 and FMA")
 
@@ -35,19 +35,15 @@ def test_a_gguf_weight_is_found_again_and_gives_the_dense_kernels_bits_for_any_r
     ours = CpuLinear(linear)
     assert ours.find_blocks().kind == kind
     x = torch.randn(20, shape[1])
-    threads = torch.get_num_threads()
     with torch.inference_mode():
         dense = cpu_kernels().linear(x, weight, linear.bias.detach())
         alone = torch.cat([form.linear(x[r:r + 1], linear.bias.detach()) for r in range(20)])
         for rows in range(0, 21):  # a tile of up to 7 (AVX2) or 12 rows (AVX-512), then chunks
             assert torch.equal(form.linear(x[:rows], linear.bias.detach()), alone[:rows]), f"{rows} rows"
             assert torch.equal(ours(x[:rows]), dense[:rows]), f"{rows} rows"
-        torch.set_num_threads(1)
-        try:
+        with other_thread_count():
             for rows in (6, 20):
                 assert torch.equal(form.linear(x[:rows], linear.bias.detach()), alone[:rows])
-        finally:
-            torch.set_num_threads(threads)
     assert torch.equal(alone, dense)
     torch.testing.assert_close(alone.double(), x.double() @ weight.double().T
                                + linear.bias.detach().double(), rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ import torch
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.cpu.matmul import CpuLinear
 from eagle_serve.cpu.quant import block_form, int8_activations_run
-from eagle_serve.testing import assert_drafts_verify_to_plain, gguf_weight, q8_0_target, tiny_engine
+from eagle_serve.testing import assert_drafts_verify_to_plain, gguf_weight, other_thread_count, q8_0_target, tiny_engine
 
 pytestmark = pytest.mark.skipif(not int8_activations_run(),
                                 reason="8-bit activations run on the CPU kernels (AVX2, FMA)")
@@ -37,13 +37,9 @@ def test_a_linear_on_8_bit_activations_sums_each_block_exactly_for_any_rows_and_
     ref = reference(x, weight)
     assert ((out.double() - ref).abs() <= 1e-5 * ref.abs().amax() + 1e-6).all()
     rows = torch.cat([blocks.linear(x[i:i + 1], None) for i in range(len(x))])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one_thread = blocks.linear(x, None)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(rows, out) and torch.equal(one_thread, out)
+    with other_thread_count():
+        other_threads = blocks.linear(x, None)
+    assert torch.equal(rows, out) and torch.equal(other_threads, out)
     bias = torch.randn(shape[0])
     assert torch.equal(blocks.linear(x, bias), out + bias)
 

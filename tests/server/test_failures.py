@@ -16,10 +16,12 @@ from eagle_serve.server.processes import model_processes
 pytestmark = pytest.mark.server
 
 
-@pytest.fixture
-def supervised(tmp_path, tiny_models):
-    """`python -m eagle_serve.server.serve` (what `make serve` runs) on the tiny float64 model, answering."""
-    with serve_tiny(tmp_path, tiny_models) as proc:
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory, tiny_models):
+    """`python -m eagle_serve.server.serve` (what `make serve` runs) on the tiny float64 model,
+    answering; one for the module: each kill test leaves it answering again, and the SIGTERM
+    test, last, ends it."""
+    with serve_tiny(tmp_path_factory.mktemp("supervised"), tiny_models) as proc:
         assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
         yield proc
 
@@ -78,7 +80,7 @@ def test_a_dead_model_process_fails_requests_fast_and_the_server_comes_back(supe
             or "stopping tritonserver" in log and "tritonserver exited with code" in log), log[-3000:]
 
 
-def test_sigterm_ends_open_streams_with_an_error_and_nothing_hangs(supervised):
+def test_sigterm_ends_open_streams_with_an_error_and_nothing_hangs(supervised):  # last: ends it
     out: dict = {}
     thread = long_stream(supervised, out)
     term_at = time.monotonic()

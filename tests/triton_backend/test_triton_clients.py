@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from triton_pool import tiny_server
+from triton_pool import default_server, tiny_server
 
 from eagle_serve.client import metrics
 from eagle_serve.core.requests import SamplingParams
@@ -123,7 +123,7 @@ def usage(responses) -> tuple[int, int]:
 def test_the_request_genai_perf_builds_is_served_with_deterministic_lengths(triton_server):
     """min_length = max_tokens (--output-tokens-mean-deterministic) gives exactly that many
     tokens where the model would stop early on its own; without it, EOS ends the answer."""
-    server = triton_server("default")
+    server = default_server(triton_server)
     question = "What is the capital of France?"
     free = send(server.grpc_url, "ensemble", genai_perf_request(question, 24, deterministic=False))
     exact = send(server.grpc_url, "ensemble", genai_perf_request(question, 24, deterministic=True))
