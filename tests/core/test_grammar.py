@@ -195,6 +195,7 @@ def test_sampled_constrained_output_follows_the_masked_law(tiny_target):
     assert chi2.sf(stat, int(keep.sum())) > 1e-6
 
 
+@pytest.mark.slow
 def test_forced_text_is_drafted_in_every_tokenization_and_sampled_output_keeps_its_law(tiny_target, eagle1_head):
     """Forced text is drafted as a tree of its tokenizations (siblings proposed with certainty),
     since a masked target picks its own: rejection-sampled output still follows the masked

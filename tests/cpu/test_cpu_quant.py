@@ -55,6 +55,7 @@ def test_the_kernels_are_built_for_avx512_where_the_cpu_has_it_unless_avx2_is_as
     assert not wide_linears()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not wide_linears(), reason="the AVX2 build is this CPU's default: tested above")
 def test_the_avx2_build_gives_the_same_guarantees_where_avx512_is_the_default():
     """This file, the linears', the 8-bit activations' and the screened argmax's tests again, in

@@ -75,6 +75,7 @@ def draft_launches(folder, head, monkeypatch, drafts: int) -> int:
     return counts[1]  # a round's (the first follows the prefill)
 
 
+@pytest.mark.slow
 def test_a_draft_step_launches_a_bounded_number_of_kernels(tmp_path, monkeypatch):
     folder = make_tiny_target(tmp_path / "llama", vocab_size=512)
     head = make_random_head(tmp_path / "head", folder, 3, draft_vocab_size=256)

@@ -14,6 +14,7 @@ from eagle_serve.tools.gpu_forward import PATHS
 from eagle_serve.tools.gpu_server import CASES
 
 
+@pytest.mark.server
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, run `make gpu-check`")
 def test_gpu_check_runs_its_cpu_parts_and_passes(tiny_models, capsys, tmp_path):
     code = gpu_check.main(["--target", str(tiny_models["target"]),

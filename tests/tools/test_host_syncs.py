@@ -61,6 +61,7 @@ def syncs_per_round(models, layers: int, num_requests: int, params: dict) -> lis
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ROUNDS)
 def test_a_round_syncs_as_often_whatever_the_batch_size_and_layer_count(case, models, kernels_on_cpu):
     params, budget = ROUNDS[case]
