@@ -44,15 +44,13 @@ replicas: setup
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) \
 		ROUTER_PORT=$(ROUTER_PORT) exec $(PY) -m eagle_serve.server.replicas --replicas $(N) $(SERVE_ARGS)
 
-# A worker per core, each test module on one worker (its servers and module fixtures once), in
-# conftest's order (modules of slow and server tests first), not xdist's (most tests first).
-XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# A worker per core, each test module on one worker (its servers and module fixtures once).
 test: setup
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS); code=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); code=$$?; \
 		if [ $$code -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$code
 
 test-fast: setup
-	$(PY) -m pytest $(XDIST) -m "not server and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not server and not slow" $(PYTEST_ARGS)
 
 # Once on a GPU machine: kernels compiled and checked, k=0 vs the default draft shape (without
 # a GPU: the same checks on CPU). In the GPU image: docker compose run --rm --entrypoint

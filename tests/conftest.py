@@ -1,7 +1,7 @@
 """Shared fixtures. `triton_server(name, models=None, overrides=None, model_config_name=None)`
-starts (once per name while in use: triton_pool.ServerPool) the real tritonserver on a copy of
-model_repository/ and returns a `triton_pool.TritonServer` (http_url, grpc_url, metrics_url,
-log_path, repo). A failing test that used one gets the tail of its log in the report. `tiny_models` are the float64 tiny
+starts (once per name, while in use: triton_pool.ServerPool) the real tritonserver on a copy of model_repository/ and
+returns a `triton_pool.TritonServer` (http_url, grpc_url, metrics_url, log_path, repo). A failing
+test that used one gets the tail of its log in the report. `tiny_models` are the float64 tiny
 Llama (with the default model's tokenizer) and its random heads that `triton_pool.tiny_server`
 serves (exact greedy equality holds). `kernels_on_cpu` sends every kernel dispatcher down its
 GPU path (the Triton kernel, through the interpreter).
