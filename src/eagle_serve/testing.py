@@ -422,4 +422,3 @@ def other_thread_count():
         yield
     finally:
         torch.set_num_threads(threads)
-

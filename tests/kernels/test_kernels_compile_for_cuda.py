@@ -109,7 +109,7 @@ class PtxReady(Exception):
 
 def ptx_only(*args):
     """knobs.runtime.add_stages_inspection_hook: called bare for the cache key, then with the
-    backend's stages, whose cubin step (ptxas, a third of a compile) it replaces."""
+    backend's stages, whose cubin step (ptxas) it replaces with one raising the PTX."""
     if not args:
         return "ptx-only", "ptx-only"
 
