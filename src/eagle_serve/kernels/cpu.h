@@ -1,7 +1,7 @@
-// The entry points of cpu.cpp, cpu_stack.cpp, cpu_random.cpp and cpu_lookup.cpp (one
-// extension, eagle_serve/kernels/cpu.py builds them).
+// The entry points of the CPU kernels' files (one extension, eagle_serve/kernels/cpu.py builds
+// them; cpu_bind.cpp binds them).
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: see cpu_bind.cpp
 
 #include <tuple>
 #include <vector>

