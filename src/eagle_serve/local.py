@@ -8,7 +8,8 @@ import torch
 
 from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
 from eagle_serve.engine import Engine
-from eagle_serve.models.checkpoints import load_drafter, torch_dtype
+from eagle_serve.models.checkpoints import load_drafter
+from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.models.target import TargetModel
 from eagle_serve.settings import EngineConfig, ServingSettings, default_corpus_index
 from eagle_serve.spec.lookup import load_corpus_index

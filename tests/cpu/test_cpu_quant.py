@@ -163,7 +163,7 @@ def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_
     from safetensors.torch import save_file
 
     from eagle_serve.cpu import matmul as cpu_matmul
-    from eagle_serve.models.checkpoints import torch_dtype
+    from eagle_serve.models.dtypes import torch_dtype
 
     folders = {}
     for name, weight in (("blocks", gguf_weight("q4_1", 64, 64)), ("dense", torch.randn(64, 64))):

@@ -1,12 +1,14 @@
 """The model repository's configs agree with each other and parse into settings."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from eagle_serve import paths
-from eagle_serve.models.checkpoints import torch_dtype
+from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.settings import ServingSettings, read_settings
 
 REPO = paths.REPO_ROOT / "model_repository"
@@ -115,7 +117,7 @@ def test_single_instance_models_ask_for_one_instance():
 def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
     import torch
 
-    from eagle_serve.models.checkpoints import settings_dtype
+    from eagle_serve.models.dtypes import settings_dtype
     assert settings_dtype(ServingSettings(dtype="auto"), True, REPO) == torch.bfloat16
     assert settings_dtype(ServingSettings(dtype="float64"), False, REPO) == torch.float64
     with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
@@ -125,7 +127,7 @@ def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
 def test_auto_is_float16_on_a_gpu_without_bfloat16_arithmetic(monkeypatch):
     import torch
 
-    from eagle_serve.models.checkpoints import torch_dtype
+    from eagle_serve.models.dtypes import torch_dtype
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, want in (((7, 5), torch.float16), ((7, 0), torch.float16), ((8, 0), torch.bfloat16),
                              ((8, 9), torch.bfloat16), ((9, 0), torch.bfloat16), ((10, 0), torch.bfloat16)):
@@ -136,20 +138,23 @@ def test_auto_is_float16_on_a_gpu_without_bfloat16_arithmetic(monkeypatch):
 
 def auto_completed(model: str, config_file: str, repo=REPO) -> dict:
     """What tritonserver's auto-complete step makes of a model config (as the JSON dict a model
-    gets): the model's own auto_complete_config applied through the python backend's real
+    gets): the model.py's own auto_complete_config applied through the python backend's real
     ModelConfig class."""
     import importlib.util
     import json
+    from unittest import mock
 
     utils = paths.tritonserver_dir() / "backends" / "python" / "triton_python_backend_utils.py"
     spec = importlib.util.spec_from_file_location("pb_utils_for_test", utils)
     pb_utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pb_utils)
-    config = as_dict(repo / model / config_file)
-    from eagle_serve.triton_backend.workers import DrafterWorker, TargetWorker
-    worker = TargetWorker if model == "eagle_target" else DrafterWorker
-    return worker.auto_complete_config(pb_utils.ModelConfig(json.dumps(config)),
-                                       str(repo / model / "1" / "model.py")).as_dict()
+    model_file = repo / model / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location(f"{model}_model_for_test", model_file)
+    model_py = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(sys.modules, {"triton_python_backend_utils": pb_utils}):
+        spec.loader.exec_module(model_py)
+    config = pb_utils.ModelConfig(json.dumps(as_dict(repo / model / config_file)))
+    return model_py.TritonPythonModel.auto_complete_config(config).as_dict()
 
 
 def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
@@ -159,8 +164,8 @@ def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
 
 
 def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_drafter(tmp_path):
+    from eagle_serve.triton_backend.features import TRITON_TYPES
     from eagle_serve.triton_backend.repo_config import copy_repository
-    from eagle_serve.triton_backend.workers import TRITON_TYPES
 
     cpu_auto = TRITON_TYPES[torch_dtype("auto", False, paths.default_target_dir())]
     for config_file, want in (("config.pbtxt", cpu_auto), ("configs/gpu.pbtxt", "TYPE_BF16")):
@@ -175,8 +180,8 @@ def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_
 
 
 def test_a_worker_refuses_to_load_without_the_features_its_auto_complete_declares():
-    from eagle_serve.models.checkpoints import settings_dtype
-    from eagle_serve.triton_backend.workers import require_features
+    from eagle_serve.models.dtypes import settings_dtype
+    from eagle_serve.triton_backend.features import require_features
 
     dtype = settings_dtype(read_settings(REPO), False, REPO)  # what a CPU worker runs
     for model, direction, name in (("eagle_target", "output", "hidden"),

@@ -33,7 +33,7 @@ from eagle_serve import paths
 from eagle_serve.core.interfaces import RaggedBatch, RowSampling
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.tokenization import encode_prompt, load_tokenizer
-from eagle_serve.models.checkpoints import torch_dtype
+from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.models.target import TargetModel
 
 PAGE = 16  # tokens a KV page

@@ -38,7 +38,7 @@ from eagle_serve.cpu.quant import block_form, int8_activations_run
 from eagle_serve.kernels import cpu as cpu_module
 from eagle_serve.kernels.cpu import amx_tiles, build, cpu_kernels, without_amx_tiles
 from eagle_serve.models import cpu_stack
-from eagle_serve.models.checkpoints import torch_dtype
+from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.models.target import TargetModel
 from eagle_serve.testing import gguf_weight
 

@@ -219,7 +219,7 @@ class HFRunner:
         from transformers import AutoModelForCausalLM
 
         from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
-        from eagle_serve.models.checkpoints import torch_dtype
+        from eagle_serve.models.dtypes import torch_dtype
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"

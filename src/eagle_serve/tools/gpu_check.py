@@ -60,7 +60,7 @@ from eagle_serve.kernels import rejection as rj
 from eagle_serve.kernels import sampling as sm  # noqa: E402
 from eagle_serve.kernels import workspace as ws
 from eagle_serve.local import build_local_engine  # noqa: E402
-from eagle_serve.models.checkpoints import torch_dtype  # noqa: E402
+from eagle_serve.models.dtypes import torch_dtype  # noqa: E402
 from eagle_serve.settings import EngineConfig, ServingSettings  # noqa: E402
 from eagle_serve.tools.gpu_forward import forward_invariance, path_comparison  # noqa: E402
 from eagle_serve.tools.gpu_server import CASES, through_triton  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 from eagle_serve.core.requests import SamplingParams, acceptance_length
 from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
-from eagle_serve.models.checkpoints import torch_dtype
+from eagle_serve.models.dtypes import torch_dtype
 
 
 def evaluate(head_dir: Path, target_dir: Path, prompts: list[str], k: int = 4,

@@ -95,7 +95,7 @@ class SpecDecodeService:
                  on_broken: Callable[[str], None] | None = None, apply_chat_template: bool = True,
                  defaults: dict | None = None):
         """on_broken(reason): called once when a model process is stuck or dead; spec_decode's
-        model.py stops the server there, so its supervisor restarts it. apply_chat_template:
+        start_service stops the server there, so its supervisor restarts it. apply_chat_template:
         what a text_input request without that input gets."""
         self.pb, self.engine, self.metrics = pb, engine, metrics
         self.max_input_bytes, self.draft_timeout_s = max_input_bytes, draft_timeout_s
@@ -299,3 +299,47 @@ def logprob_tensors(logprobs: list[TokenLogprob], prefix: str = "") -> list:
     chosen_name = "prompt_log_probs" if prefix else "output_log_probs"
     return [pb_utils.Tensor(chosen_name, chosen), pb_utils.Tensor(prefix + "top_logprob_ids", ids),
             pb_utils.Tensor(prefix + "top_logprobs", values)]
+
+
+def start_service(pb, args: dict) -> "SpecDecodeService":
+    """spec_decode's `initialize`: its settings resolved as eagle_target's, the engine on BLS
+    models, warmed (GPU kernels compiled before any request), and its service."""
+    import json
+
+    from transformers import AutoConfig
+
+    from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
+    from eagle_serve.kernels.warmup import warm_engine
+    from eagle_serve.models.dtypes import settings_dtype
+    from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults
+    from eagle_serve.spec.lookup import load_corpus_index
+    from eagle_serve.triton_backend import internal_key
+    from eagle_serve.triton_backend.bls import BlsDrafter, BlsTarget
+    from eagle_serve.triton_backend.workers import instance_device, log_warmup
+
+    config = json.loads(args["model_config"])
+    tu.require_single_instance(config)
+    repo = tu.repository_dir(args)
+    settings = ServingSettings.from_parameters(tu.model_parameters(config))
+    target_dir, drafter_dir = settings.model_dirs(repo)
+    device = instance_device(args)
+    dtype = settings_dtype(settings, device.type == "cuda", repo)
+    settings = settings.resolved(target_dir, dtype.itemsize)  # as eagle_target's
+    print(f"spec_decode: {settings.kv_summary()}", flush=True)
+    if device.type == "cpu":
+        settings.apply_threads("engine")
+    vocab = AutoConfig.from_pretrained(str(target_dir)).vocab_size
+    bls = dict(key=internal_key.server_key(), timeout_s=settings.model_call_timeout_s)
+    target = BlsTarget(pb, vocab, device, **bls)
+    drafter = BlsDrafter(pb, vocab, device, **bls) if drafter_dir is not None else None
+    tokenizer = load_tokenizer(target_dir)
+    corpus = settings.corpus_index_path(repo, drafter_dir)
+    engine = Engine(target, drafter, EngineConfig.from_settings(settings, eos_token_ids(target_dir)),
+                    tokenizer=tokenizer, device=device,
+                    corpus=load_corpus_index(corpus, tokenizer) if corpus else None)
+    log_warmup("spec_decode", warm_engine(engine))
+    metrics = EngineMetrics(pb, settings.max_speculative_tokens, model_name=target_dir.name)
+    return SpecDecodeService(pb, engine, metrics, settings.max_input_bytes,
+                             draft_timeout_s=settings.model_call_timeout_s, on_broken=tu.stop_server,
+                             apply_chat_template=settings.apply_chat_template,
+                             defaults=generation_defaults(target_dir))

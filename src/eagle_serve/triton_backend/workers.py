@@ -10,7 +10,8 @@ The features (the target's hidden states that feed the head) cross BLS in the mo
 no conversion on either side. That dtype is chosen at start-up (`dtype: auto` picks bfloat16 on a
 GPU or a CPU that computes it natively, else float32), so the two configs leave the tensor out and
 each model's `auto_complete_config` declares it (`declare_features`), from the same settings:
-the target's output `hidden` and the drafter's input `features` always agree.
+the target's output `hidden` and the drafter's input `features` always agree
+(eagle_serve.triton_backend.features).
 
 Test hook: a worker whose config has the parameter `test_hang_file` stalls every call while that
 file exists (the tests' way to make a model process hang).
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from eagle_serve.kernels.warmup import warm_drafter, warm_target
-from eagle_serve.models.checkpoints import settings_dtype
+from eagle_serve.models.dtypes import settings_dtype
 from eagle_serve.settings import read_settings, settings_file
 from eagle_serve.triton_backend import client_request as cr
 from eagle_serve.triton_backend import internal_key
@@ -38,6 +39,7 @@ from eagle_serve.triton_backend.bls import (
     response_tensors,
     shapes_from_request,
 )
+from eagle_serve.triton_backend.features import DRAFTER, TARGET, require_features
 
 
 def log_warmup(role: str, report) -> None:
@@ -47,54 +49,15 @@ def log_warmup(role: str, report) -> None:
               f"{report.seconds:.1f} s)", flush=True)
 
 
-TRITON_TYPES = {torch.bfloat16: "TYPE_BF16", torch.float16: "TYPE_FP16",
-                torch.float32: "TYPE_FP32", torch.float64: "TYPE_FP64"}
-
-
-def feature_type(model_config: dict, repo: Path) -> str:
-    """The Triton type of the features for a model of `repo` with this config: its settings'
-    dtype on the config's instance kind."""
-    on_gpu = any(g.get("kind") == "KIND_GPU" for g in model_config.get("instance_group", []))
-    return TRITON_TYPES[settings_dtype(read_settings(repo), on_gpu, repo)]
-
-
-def declare_features(auto_config, direction: str, name: str, model_file: str):
-    """auto_complete_config of eagle_target (output `hidden`) and eagle_drafter (input
-    `features`): declares the [-1, -1] features tensor in the model dtype. `model_file` is the
-    model.py (<repo>/<model>/1/model.py), which locates the repository."""
-    repo = Path(model_file).resolve().parents[2]
-    tensor = {"name": name, "data_type": feature_type(auto_config.as_dict(), repo),
-              "dims": [-1, -1]}
-    (auto_config.add_output if direction == "output" else auto_config.add_input)(tensor)
-    return auto_config
-
-
 def instance_device(args: dict) -> torch.device:
     if args.get("model_instance_kind") == "GPU":
         return torch.device("cuda", int(args.get("model_instance_device_id", 0)))
     return torch.device("cpu")
 
 
-def require_features(model_config: dict, direction: str, name: str, dtype: torch.dtype) -> None:
-    """Refuse to load when the features tensor is missing or not of the worker's `dtype`, the
-    type `declare_features` gives (e.g. tritonserver ran with --disable-auto-complete-config)."""
-    declared = {t["name"]: t.get("data_type") for t in model_config.get(direction, [])}
-    want = TRITON_TYPES[dtype]
-    if declared.get(name) != want:
-        raise ValueError(
-            f"{model_config.get('name')}: {direction} '{name}' must be declared {want} (the model "
-            f"dtype), found {declared.get(name)}; model.py declares it when tritonserver "
-            f"auto-completes configs: do not pass --disable-auto-complete-config")
-
-
 class _Worker:
     role = ""
     features: tuple[str, str] = ("", "")  # (direction, name) of the features tensor
-
-    @classmethod
-    def auto_complete_config(cls, auto_config, model_file: str):
-        """The model's auto_complete_config: declares its features tensor (declare_features)."""
-        return declare_features(auto_config, *cls.features, model_file)
 
     def __init__(self, args: dict):
         config = json.loads(args["model_config"])
@@ -128,7 +91,7 @@ class _Worker:
 
 class TargetWorker(_Worker):
     role = "target"
-    features = ("output", "hidden")
+    features = TARGET
 
     def __init__(self, args: dict):
         super().__init__(args)
@@ -160,7 +123,7 @@ class TargetWorker(_Worker):
 
 class DrafterWorker(_Worker):
     role = "drafter"
-    features = ("input", "features")
+    features = DRAFTER
 
     def __init__(self, args: dict):
         super().__init__(args)
