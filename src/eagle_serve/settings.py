@@ -1,5 +1,5 @@
-"""Serving settings: one place, the `parameters` of `spec_decode/config.pbtxt`, whose defaults
-are the shipped configuration (a test checks that the CPU config.pbtxt states exactly these).
+"""Serving settings: one place, the `parameters` of `spec_decode/config.pbtxt`, which state only
+what differs from these defaults (the shipped configuration states none: a test checks).
 
 `eagle_target` and `eagle_drafter` read the same block (from the spec_decode folder of their
 repository), so model folders, dtype and cache sizes can never disagree between the process

@@ -34,16 +34,18 @@ def test_the_gpu_config_of_each_model_differs_only_in_instance_kind_and_input_pl
         assert cpu == gpu, model
 
 
-def test_the_default_settings_parse_and_name_every_field():
-    settings = read_settings(REPO)
-    params = parse(REPO / "spec_decode" / "config.pbtxt").parameters
-    assert set(params) == set(ServingSettings.__dataclass_fields__)
-    assert settings.target_model == "default" and settings.num_speculative_tokens >= 0
-
-
-def test_the_shipped_cpu_config_states_exactly_the_settings_defaults():
-    """One source of defaults: the dataclass; config.pbtxt shows them to users and may not drift."""
+def test_the_shipped_configs_serve_the_settings_defaults_and_restate_none():
+    """One source of defaults, the dataclass: a config states only what differs from it (so no
+    copy can drift); the shipped ones differ in nothing."""
+    for config_file in ("config.pbtxt", "configs/gpu.pbtxt"):
+        params = set(parse(REPO / "spec_decode" / config_file).parameters)
+        assert params <= {"FORCE_CPU_ONLY_INPUT_TENSORS"}, config_file
     assert read_settings(REPO) == ServingSettings()
+
+
+def test_every_setting_is_documented_for_users():
+    text = (REPO.parent / "docs" / "configuration.md").read_text()
+    assert [f for f in ServingSettings.__dataclass_fields__ if f"`{f}`" not in text] == []
 
 
 def test_the_in_process_engine_runs_the_served_engine_config():
