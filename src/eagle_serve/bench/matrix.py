@@ -2,7 +2,7 @@
 64 and 128 tokens, and greedy and sampled streams mixed in one batch, through a running server.
 
     eagle-serve bench matrix --prompts clients/prompts/heldout.jsonl \\
-        --json docs/matrix.json --plot docs/matrix.png
+        --json docs/results/matrix.json --plot docs/results/matrix.png
 
 Each case runs speedup_curve.measure: the prompts go in groups of the case's concurrency, each
 group through every config in turn (reversed every other group), so drift hits every config alike.

@@ -1,7 +1,8 @@
 """Rejection sampling against coupled verification of sampled drafts, in process (no server):
 
     eagle-serve bench sampled --prompts clients/prompts/heldout.jsonl --num-prompts 8 \\
-        --max-tokens 64 [--concurrency 4] --json docs/sampled_verify.json --plot docs/sampled_verify.png
+        --max-tokens 64 [--concurrency 4] --json docs/results/sampled_verify.json \\
+        --plot docs/results/sampled_verify.png
 
 `sampled_verify` is a server setting, so one server cannot interleave the modes; in-process
 engines on the default model (the served settings, one per mode) can. Each prompt (each wave
