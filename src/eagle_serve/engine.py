@@ -61,12 +61,11 @@ class EngineBusy(RuntimeError):
 class Engine:
     def __init__(self, target: TargetRunner, drafter: DrafterRunner | None, config: EngineConfig,
                  tokenizer=None, device="cpu", corpus: CorpusIndex | None = None):
-        config.validate()
         self.target, self.drafter, self.config, self.tokenizer = target, drafter, config, tokenizer
         self.device = torch.device(device)
-        k_max = config.max_speculative_tokens
+        k_max = config.drafting.max_speculative_tokens
         self.stats = EngineStats(accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max)
-        self.workspace = DraftWorkspace(config.num_draft_slots, target.vocab_size, device=device)
+        self.workspace = DraftWorkspace(config.cache.num_draft_slots, target.vocab_size, device=device)
         self.scheduler = Scheduler(config, self.workspace, self.stats)
         self.policy = DraftPolicy(config, corpus)
         self._inbox: deque = deque()
@@ -102,7 +101,7 @@ class Engine:
         to_the_end = params.max_tokens == TO_THE_END
         if to_the_end:  # settled below, once the request's own KV needs are known
             params = replace(params, max_tokens=max(1, params.min_tokens))
-        params.validate(cfg, cfg.max_speculative_tokens if self.drafter else 0)
+        params.validate(cfg, cfg.drafting.max_speculative_tokens if self.drafter else 0)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.target.vocab_size
@@ -114,9 +113,9 @@ class Engine:
         if (params.bad_words or params.guide) and self.tokenizer is None:
             raise ValueError("bad_words and guides need the engine's tokenizer")
         total = len(prompt_ids) + params.max_tokens
-        if total > cfg.max_model_len:
+        if total > cfg.scheduler.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds max_model_len ({cfg.max_model_len})")
+                             f"exceeds max_model_len ({cfg.scheduler.max_model_len})")
         k = self.policy.default_k(params, self.drafter is not None)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         stop = StopChecker(self.tokenizer, params.stop, params.min_tokens) if params.stop else None
@@ -128,16 +127,16 @@ class Engine:
             req.grammar_future = self.guides().compile(params.guide)
         self.policy.setup_request(req)
         if to_the_end:
-            room = min(cfg.max_model_len, self.scheduler.longest(req)) - len(prompt_ids)
+            room = min(cfg.scheduler.max_model_len, self.scheduler.longest(req)) - len(prompt_ids)
             if room < max(1, params.min_tokens):
                 raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves room for {max(0, room)} "
-                                 f"output tokens (max_model_len {cfg.max_model_len}), fewer than asked")
+                                 f"output tokens (max_model_len {cfg.scheduler.max_model_len}), fewer than asked")
             req.params = replace(req.params, max_tokens=room)
             total = len(prompt_ids) + room
         self.scheduler.can_ever_hold(req, total)
         with self._lock:
-            if len(self.waiting) + len(self._inbox) + len(self._compiling) >= cfg.max_waiting:
-                raise EngineBusy(f"server busy: {cfg.max_waiting} requests are already waiting")
+            if len(self.waiting) + len(self._inbox) + len(self._compiling) >= cfg.scheduler.max_waiting:
+                raise EngineBusy(f"server busy: {cfg.scheduler.max_waiting} requests are already waiting")
             req.arrival = next(self._arrivals)
             self._inbox.append(("add", req))
         return req.id

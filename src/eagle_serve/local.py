@@ -1,7 +1,6 @@
 """Build an engine with in-process target and drafter (library use, tests, the CLI, eval)."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,34 +10,34 @@ from eagle_serve.engine import Engine
 from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.models.target import TargetModel
-from eagle_serve.settings import EngineConfig, ServingSettings, default_corpus_index
+from eagle_serve.settings import EngineConfig, ModelSettings, ServingSettings, default_corpus_index
 from eagle_serve.spec.lookup import load_corpus_index
 
 
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *,
                        dtype: torch.dtype | str = "auto", device="cpu",
                        config: EngineConfig | None = None, corpus: str | Path | None = "default",
-                       drafter_weights: str = ServingSettings.drafter_weights,
-                       target_activations: str = ServingSettings.target_activations,
-                       cuda_graphs: bool = ServingSettings.cuda_graphs, **overrides) -> Engine:
+                       drafter_weights: str = ModelSettings.drafter_weights,
+                       target_activations: str = ModelSettings.target_activations,
+                       cuda_graphs: bool = ModelSettings.cuda_graphs, **overrides) -> Engine:
     """Target (and drafter, if given) in this process, caches sized from the engine config.
     config: default the served one (ServingSettings' defaults, the target's EOS ids);
     corpus: the lookup corpus index ("default": the drafter's, if it has one; None: none);
     drafter_weights: see checkpoints.load_drafter; target_activations, cuda_graphs: see
     target.TargetModel;
-    overrides: EngineConfig fields to replace."""
+    overrides: settings to replace, by their config names (EngineConfig.with_values)."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype, torch.device(device).type == "cuda", Path(target_dir))
     config = config or EngineConfig.from_settings(ServingSettings().resolved(Path(target_dir), dtype.itemsize),
                                                   eos_token_ids(target_dir))
-    config = replace(config, **overrides)
+    config = config.with_values(**overrides)
     drafter = None
     if drafter_dir is not None:
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype, device=device,
-                               num_pages=config.num_drafter_pages, page_size=config.page_size,
+                               num_pages=config.cache.num_drafter_pages, page_size=config.cache.page_size,
                                weights=drafter_weights)
-    target = TargetModel(target_dir, dtype=dtype, device=device, num_pages=config.num_target_pages,
-                         page_size=config.page_size,
+    target = TargetModel(target_dir, dtype=dtype, device=device, num_pages=config.cache.num_target_pages,
+                         page_size=config.cache.page_size,
                          feature_layers=drafter.feature_layers if drafter else None,
                          activations=target_activations, cuda_graphs=cuda_graphs)
     tokenizer = load_tokenizer(target_dir)

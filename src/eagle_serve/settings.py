@@ -1,45 +1,36 @@
 """Serving settings: one place, the `parameters` of `spec_decode/config.pbtxt`, which state only
 what differs from these defaults (the shipped configuration states none: a test checks).
 
+The settings are frozen dataclasses by concern (models, cache, scheduler, drafting, limits, API,
+CPU threads), each field documented once, here; a config's keys are the field names, unique
+across the sections, so `max_running` in a config.pbtxt is `settings.scheduler.max_running`.
 `eagle_target` and `eagle_drafter` read the same block (from the spec_decode folder of their
 repository), so model folders, dtype and cache sizes can never disagree between the process
-that allocates pages and the processes that hold the KV tensors. `EngineConfig` is the part the
-engine uses, taken from the settings by field name; the in-process engine (`eagle_serve.local`,
-the CLI, the trainer's eval) starts from the same defaults, so it runs what the server runs.
+that allocates pages and the processes that hold the KV tensors. `EngineConfig` holds the
+sections the engine uses; the in-process engine (`eagle_serve.local`, the CLI, the trainer's
+eval) starts from the same defaults, so it runs what the server runs.
 Imports no torch: preprocess and postprocess read the tokenizer folder through here.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from eagle_serve import paths
 
-DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
-DRAFTER_WEIGHTS = ("trained", "q8_0", "q8_0_a8")  # see checkpoints.load_drafter
-TARGET_ACTIVATIONS = ("fp32", "int8")  # see target.TargetModel
-
+DType = Literal["auto", "float32", "float64", "bfloat16", "float16"]
+DrafterWeights = Literal["trained", "q8_0", "q8_0_a8"]  # see checkpoints.load_drafter
+TargetActivations = Literal["fp32", "int8"]  # see target.TargetModel
+SampledVerify = Literal["auto", "rejection", "coupled"]
+ToolCallTemplate = Literal["auto", "model", "hermes"]
+DTYPE_NAMES = get_args(DType)
+DRAFTER_WEIGHTS = get_args(DrafterWeights)
+TARGET_ACTIVATIONS = get_args(TargetActivations)
 
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.spec.lookup)
-
-
-SAMPLED_VERIFY = ("auto", "rejection", "coupled")
-TOOL_CALL_TEMPLATES = ("auto", "model", "hermes")
-
-
-def check_draft_limits(config) -> None:
-    """ValueError unless the draft policy's probability limits are in [0, 1], its costs in
-    [0, 10] and sampled_verify one of SAMPLED_VERIFY (ServingSettings and EngineConfig both
-    carry them)."""
-    if config.sampled_verify not in SAMPLED_VERIFY:
-        raise ValueError(f"sampled_verify must be one of {SAMPLED_VERIFY}, got {config.sampled_verify!r}")
-    for names, high in ((("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"), 1.0),
-                        (("draft_call_cost", "draft_step_cost", "draft_batch_cost"), 10.0)):
-        for name in names:
-            if not 0.0 <= getattr(config, name) <= high:
-                raise ValueError(f"{name} must be in [0, {high:g}], got {getattr(config, name)}")
 
 
 def default_corpus_index(drafter_dir: Path | None) -> Path | None:
@@ -48,13 +39,51 @@ def default_corpus_index(drafter_dir: Path | None) -> Path | None:
     return path if path and path.exists() else None
 
 
+class _Section:
+    """A frozen group of settings: a Literal field takes only its values; `check` says what else
+    a valid group needs (ValueError naming the field)."""
+
+    def __post_init__(self):
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else ()
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+        self.check()
+
+    def check(self) -> None:
+        pass
+
+    def _in_range(self, names: tuple[str, ...], low: float, high: float, note: str = "") -> None:
+        for name in names:
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in [{low:g}, {high:g}]{note}, got {getattr(self, name)}")
+
+
 @dataclass(frozen=True)
-class ServingSettings:
+class ModelSettings(_Section):
+    """Which models serve, and in which arithmetic."""
     target_model: str = "default"              # HF folder; "default" = SmolLM2-135M-Instruct
     drafter_model: str = "default-drafter"     # EAGLE head folder; "none" = no drafter
-    dtype: str = "auto"                        # auto = bfloat16 on GPU and on CPUs with
+    dtype: DType = "auto"                      # auto = bfloat16 on GPU and on CPUs with
     #                                            native bf16 (AVX512-BF16/AMX) except for a
     #                                            target of GGUF blocks, else float32
+    drafter_weights: DrafterWeights = "q8_0_a8"  # "q8_0": on CPU in fp32 the head's linears are
+    #                                            rounded to Q8_0 (a quarter of the bytes per
+    #                                            draft step); "q8_0_a8": and their inputs to 8
+    #                                            bits; "trained": as trained
+    target_activations: TargetActivations = "fp32"  # "int8": a GGUF target's linears on inputs
+    #                                            rounded to 8 bits (llama.cpp's arithmetic;
+    #                                            faster, not the fp32 forward's bits)
+    lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
+    #                                            corpus-index.npz if it has one; "none" = off
+    cuda_graphs: bool = True                   # on a GPU, the target's decode and verify
+    #                                            forwards replay CUDA graphs (models.graphs)
+
+
+@dataclass(frozen=True)
+class CacheSettings(_Section):
+    """The KV pages of both models and the draft workspace."""
     page_size: int = 16
     kv_cache_gib: float = 1.0                  # the target's KV cache, in GiB: its pages hold
     #                                            this many bytes of its keys and values
@@ -62,20 +91,35 @@ class ServingSettings:
     #                                            0 = as many as kv_cache_gib holds
     num_drafter_pages: int = 0                 # 0 = as many as the target's
     num_draft_slots: int = 256                 # draft tokens in flight
+    enable_prefix_caching: bool = True         # requests share the KV pages of a common prefix
+    #                                            (eagle_serve.core.prefix_cache)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings(_Section):
+    """What runs in a round and what waits."""
     max_running: int = 8                       # requests in one round
     max_waiting: int = 64                      # queued beyond that; more -> "server busy"
     max_model_len: int = 0                     # prompt + output tokens of a request; 0 = the
     #                                            target's own context (max_position_embeddings)
-    enable_prefix_caching: bool = True         # requests share the KV pages of a common prefix
-    #                                            (eagle_serve.core.prefix_cache)
     max_num_batched_tokens: int = 256          # rows one round computes at most: running
     #                                            requests' decode and verify rows first, then
     #                                            prompts in chunks (0 = whole prompts at once)
+
+    def check(self) -> None:
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"max_num_batched_tokens must be >= 0 (0 = no limit), "
+                             f"got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class DraftSettings(_Section):
+    """The draft policy: what each request drafts, from which source, and when not to."""
     num_speculative_tokens: int = 8            # default k of a request (tree: nodes verified)
-    max_speculative_tokens: int = 8
+    max_speculative_tokens: int = 8            # the most a request may ask for
     draft_topk: int = 4                        # default children per draft-tree node (1 = chain)
     draft_depth: int = 3                       # default draft-tree depth (0 = k)
-    max_draft_topk: int = 8
+    max_draft_topk: int = 8                    # the most a request may ask for
     max_draft_depth: int = 8
     max_tree_batch: int = 1                    # trees only while <= this many requests run (0 = always)
     draft_min_prob: float = 0.05               # greedy drafts below this path probability are not
@@ -105,7 +149,7 @@ class ServingSettings:
     lookup_tokens: int = 6                     # longest branch each lookup source adds to a greedy
     #                                            draft tree (0 = no lookup drafts)
     sampled_lookup_tokens: int = 3             # the same beside a sampled request's chain (0 = off)
-    sampled_verify: str = "coupled"            # how sampled drafts are verified: "coupled"
+    sampled_verify: SampledVerify = "coupled"  # how sampled drafts are verified: "coupled"
     #                                            (drafts are the drafter's guesses at the
     #                                            target's own seeded sample, a request without a
     #                                            seed given a random one, kept while they equal
@@ -116,191 +160,187 @@ class ServingSettings:
     coupled_draft_topk: int = 2                # children per node of a coupled request's tree
     #                                            (depth sampled_draft_depth; 1 = chains; a
     #                                            request's draft_topk overrides it)
-    lookup_corpus: str = "default"             # corpus index (.npz); "default" = the drafter's
-    #                                            corpus-index.npz if it has one; "none" = off
+
+    def check(self) -> None:
+        self._in_range(("draft_topk", "coupled_draft_topk"), 1, self.max_draft_topk)
+        self._in_range(("draft_depth",), 0, self.max_draft_depth, " (0 = k)")
+        self._in_range(("sampled_draft_depth",), 1, self.max_draft_depth)
+        self._in_range(("lookup_tokens", "sampled_lookup_tokens"), 0, self.max_speculative_tokens)
+        self._in_range(("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"), 0, 1)
+        self._in_range(("draft_call_cost", "draft_step_cost", "draft_batch_cost"), 0, 10)
+        for name in ("max_tree_batch", "max_draft_batch", "max_sampled_draft_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class LimitSettings(_Section):
+    """What one request may send, and how long anything may take."""
     max_input_bytes: int = 65536               # text_input limit on the direct path
-    apply_chat_template: bool = True           # what a text_input request without that input
-    #                                            gets (false: callers that template themselves)
-    tool_call_template: str = "auto"           # how the OpenAI server shows tools to the model:
-    #                                            "model" (its chat template renders `tools`),
-    #                                            "hermes" (<tools>/<tool_call> turns written in,
-    #                                            openai_api.tools), "auto": the model's if its
-    #                                            template mentions tools, else hermes
     max_stop_strings: int = 32                 # stop strings of one request
     max_stop_bytes: int = 4096                 # their total UTF-8 size
     model_call_timeout_s: float = 120.0        # a target/drafter call slower than this means a
     #                                            stuck model process: the server restarts
     request_timeout_s: float = 600.0           # a request unfinished after this fails (0 = never)
     max_queue_time_s: float = 120.0            # a request waiting longer to start fails (0 = never)
-    target_threads: int = 0                    # torch CPU threads of eagle_target (0 = all cores)
-    drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
-    drafter_weights: str = "q8_0_a8"           # "q8_0": on CPU in fp32 the head's linears are
-    #                                            rounded to Q8_0 (a quarter of the bytes per
-    #                                            draft step); "q8_0_a8": and their inputs to 8
-    #                                            bits; "trained": as trained
-    target_activations: str = "fp32"           # "int8": a GGUF target's linears on inputs
-    #                                            rounded to 8 bits (llama.cpp's arithmetic;
-    #                                            faster, not the fp32 forward's bits)
-    engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
-    cuda_graphs: bool = True                   # on a GPU, the target's decode and verify
-    #                                            forwards replay CUDA graphs (models.graphs)
 
-    def __post_init__(self):
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        if self.drafter_weights not in DRAFTER_WEIGHTS:
-            raise ValueError(f"drafter_weights must be one of {DRAFTER_WEIGHTS}, "
-                             f"got {self.drafter_weights!r}")
-        if self.target_activations not in TARGET_ACTIVATIONS:
-            raise ValueError(f"target_activations must be one of {TARGET_ACTIVATIONS}, "
-                             f"got {self.target_activations!r}")
-        if self.tool_call_template not in TOOL_CALL_TEMPLATES:
-            raise ValueError(f"tool_call_template must be one of {TOOL_CALL_TEMPLATES}, "
-                             f"got {self.tool_call_template!r}")
-        check_draft_limits(self)
+
+@dataclass(frozen=True)
+class ApiSettings(_Section):
+    """How text requests are read."""
+    apply_chat_template: bool = True           # what a text_input request without that input
+    #                                            gets (false: callers that template themselves)
+    tool_call_template: ToolCallTemplate = "auto"  # how the OpenAI server shows tools to the model:
+    #                                            "model" (its chat template renders `tools`),
+    #                                            "hermes" (<tools>/<tool_call> turns written in,
+    #                                            openai_api.tools), "auto": the model's if its
+    #                                            template mentions tools, else hermes
+
+
+@dataclass(frozen=True)
+class CpuSettings(_Section):
+    """Torch CPU threads of each model process: they run one after another in a round, and
+    threads beyond the work oversubscribe the cores (measured 27 s vs 1.4 s for 32 tokens when
+    two processes spun 2 threads each)."""
+    target_threads: int = 0                    # of eagle_target (0 = all cores)
+    drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
+    engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
+
+
+def _section_of(cls) -> dict[str, str]:
+    """{setting name: the section field of `cls` holding it}: a flat name finds its group."""
+    hints = get_type_hints(cls)
+    return {f.name: section.name for section in fields(cls) if isinstance(hints[section.name], type)
+            and issubclass(hints[section.name], _Section) for f in fields(hints[section.name])}
+
+
+def _with(obj, values: dict):
+    """`obj` (ServingSettings or EngineConfig) with settings replaced by their config names (or
+    its own other fields by theirs)."""
+    where = _section_of(type(obj))
+    own = {f.name for f in fields(obj)} - set(where.values())
+    unknown = set(values) - set(where) - own
+    if unknown:
+        raise ValueError(f"unknown settings: {sorted(unknown)}")
+    groups: dict[str, dict] = {}
+    for name, value in values.items():
+        if name not in own:
+            groups.setdefault(where[name], {})[name] = value
+    changed = {group: replace(getattr(obj, group), **new) for group, new in groups.items()}
+    return replace(obj, **changed, **{name: values[name] for name in own & set(values)})
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    drafting: DraftSettings = field(default_factory=DraftSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    api: ApiSettings = field(default_factory=ApiSettings)
+    cpu: CpuSettings = field(default_factory=CpuSettings)
+
+    @classmethod
+    def of(cls, **values) -> "ServingSettings":
+        """The defaults with some settings changed, by their config names."""
+        return cls().with_values(**values)
+
+    def with_values(self, **values) -> "ServingSettings":
+        """These settings with some changed, by their config names (`max_running=4`)."""
+        return _with(self, values)
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "ServingSettings":
-        known = {f.name: f.type for f in fields(cls)}
-        unknown = set(params) - set(known) - {"FORCE_CPU_ONLY_INPUT_TENSORS"}
+        """A config's `parameters` (string values) -> settings."""
+        where = _section_of(cls)
+        unknown = set(params) - set(where) - {"FORCE_CPU_ONLY_INPUT_TENSORS"}
         if unknown:
             raise ValueError(f"unknown spec_decode parameters: {sorted(unknown)}")
         values = {}
         for name, value in params.items():
-            if name in known:
-                cast = {"int": int, "float": float, "bool": parse_bool}.get(
-                    getattr(known[name], "__name__", known[name]))
+            if name in where:
+                kind = get_type_hints(get_type_hints(cls)[where[name]])[name]
+                cast = {int: int, float: float, bool: parse_bool}.get(kind)
                 try:
                     values[name] = cast(value) if cast else value
                 except ValueError:
-                    raise ValueError(f"spec_decode parameter {name}: not a {known[name]}: {value!r}") from None
-        return cls(**values)
+                    raise ValueError(f"spec_decode parameter {name}: not a {kind.__name__}: {value!r}") from None
+        return cls.of(**values)
 
     def resolved(self, target_dir: Path, dtype_bytes: int) -> "ServingSettings":
         """These settings with what depends on the target filled in: max_model_len 0 -> its
         context; page counts 0 -> what kv_cache_gib holds of its KV (dtype_bytes: the size of
         its dtype's element). Every process of a server resolves the same numbers."""
-        cfg = _text_config(target_dir)
-        max_len = self.max_model_len or _context(cfg)
-        pages = self.num_target_pages
+        cfg, cache = _text_config(target_dir), self.cache
+        pages = cache.num_target_pages
         if not pages:
             heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-            page_bytes = 2 * cfg["num_hidden_layers"] * heads * head_dim * dtype_bytes * self.page_size
-            pages = max(1, int(self.kv_cache_gib * 2 ** 30 // page_bytes))
-        return replace(self, max_model_len=max_len, num_target_pages=pages,
-                       num_drafter_pages=self.num_drafter_pages or pages)
+            page_bytes = 2 * cfg["num_hidden_layers"] * heads * head_dim * dtype_bytes * cache.page_size
+            pages = max(1, int(cache.kv_cache_gib * 2 ** 30 // page_bytes))
+        return self.with_values(max_model_len=self.scheduler.max_model_len or _context(cfg),
+                                num_target_pages=pages, num_drafter_pages=cache.num_drafter_pages or pages)
 
     def kv_summary(self) -> str:
         """What a resolved cache holds, for the log at start."""
-        return (f"KV cache: {self.num_target_pages} pages of {self.page_size} = "
-                f"{self.num_target_pages * self.page_size} tokens; max_model_len {self.max_model_len}")
+        cache = self.cache
+        return (f"KV cache: {cache.num_target_pages} pages of {cache.page_size} = "
+                f"{cache.num_target_pages * cache.page_size} tokens; max_model_len {self.scheduler.max_model_len}")
 
     def model_dirs(self, repo_dir: Path) -> tuple[Path, Path | None]:
-        target = paths.resolve_model_path(self.target_model or "default", repo_dir)
-        if self.drafter_model in ("", "none"):
+        target = paths.resolve_model_path(self.model.target_model or "default", repo_dir)
+        if self.model.drafter_model in ("", "none"):
             return target, None
-        return target, paths.resolve_model_path(self.drafter_model, repo_dir)
+        return target, paths.resolve_model_path(self.model.drafter_model, repo_dir)
 
     def corpus_index_path(self, repo_dir: Path, drafter_dir: Path | None) -> Path | None:
         """The lookup corpus index to load, if any."""
-        if self.lookup_corpus in ("", "none") or drafter_dir is None or (
-                self.lookup_tokens == 0 and self.sampled_lookup_tokens == 0):
+        corpus, drafting = self.model.lookup_corpus, self.drafting
+        if corpus in ("", "none") or drafter_dir is None or (
+                drafting.lookup_tokens == 0 and drafting.sampled_lookup_tokens == 0):
             return None
-        if self.lookup_corpus == "default":
+        if corpus == "default":
             return default_corpus_index(drafter_dir)
-        return paths.resolve_model_path(self.lookup_corpus, repo_dir)
+        return paths.resolve_model_path(corpus, repo_dir)
 
     def apply_threads(self, role: str) -> None:
-        """Processes run one after another in a round; threads beyond the work oversubscribe
-        the cores (measured 27 s vs 1.4 s for 32 tokens when two processes spun 2 threads each)."""
-        import os
-
+        """This process's torch threads (CpuSettings)."""
         import torch
-        n = {"target": self.target_threads, "drafter": self.drafter_threads,
-             "engine": self.engine_threads}[role]
+        n = getattr(self.cpu, f"{role}_threads")
         torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
+
+
+def setting_names() -> list[str]:
+    """Every setting's config name."""
+    return list(_section_of(ServingSettings))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The settings the engine uses (names and meanings as in ServingSettings), plus the EOS
-    ids of the target. Build it with `from_settings` or `served(**overrides)`."""
-    num_speculative_tokens: int
-    max_speculative_tokens: int
-    max_running: int
-    max_waiting: int
-    max_model_len: int
-    enable_prefix_caching: bool
-    max_num_batched_tokens: int
-    page_size: int
-    num_target_pages: int
-    num_drafter_pages: int
-    num_draft_slots: int
-    draft_topk: int
-    draft_depth: int
-    max_draft_topk: int
-    max_draft_depth: int
-    max_tree_batch: int
-    draft_min_prob: float
-    draft_expand_prob: float
-    sampled_draft_depth: int
-    sampled_draft_min_prob: float
-    draft_call_cost: float
-    draft_step_cost: float
-    draft_batch_cost: float
-    measured_draft_costs: bool
-    max_draft_batch: int
-    max_sampled_draft_batch: int
-    lookup_tokens: int
-    sampled_lookup_tokens: int
-    sampled_verify: str
-    coupled_draft_topk: int
-    max_stop_strings: int
-    max_stop_bytes: int
-    request_timeout_s: float
-    max_queue_time_s: float
+    """The sections of the settings the engine uses, plus the EOS ids of the target. Build it
+    with `from_settings` or `served(**overrides)`."""
+    cache: CacheSettings
+    scheduler: SchedulerSettings
+    drafting: DraftSettings
+    limits: LimitSettings
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_settings(cls, settings: ServingSettings, eos_token_ids: tuple[int, ...] = ()) -> "EngineConfig":
         """settings: resolved (ServingSettings.resolved)."""
-        assert settings.num_target_pages and settings.max_model_len, "settings not resolved"
-        taken = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "eos_token_ids"}
-        return cls(**taken, eos_token_ids=tuple(eos_token_ids))
+        assert settings.cache.num_target_pages and settings.scheduler.max_model_len, "settings not resolved"
+        return cls(settings.cache, settings.scheduler, settings.drafting, settings.limits, tuple(eos_token_ids))
 
     @classmethod
     def served(cls, **overrides) -> "EngineConfig":
-        """The shipped defaults with some fields replaced (tests, library use); with no target
-        to size them from, 512 pages a pool and a context of 2048."""
-        fixed = replace(ServingSettings(), num_target_pages=512, num_drafter_pages=512, max_model_len=2048)
-        return replace(cls.from_settings(fixed), **overrides)
+        """The shipped defaults with some settings replaced by their config names (tests,
+        library use); with no target to size them from, 512 pages a pool and a context of 2048."""
+        fixed = ServingSettings.of(num_target_pages=512, num_drafter_pages=512, max_model_len=2048)
+        return cls.from_settings(fixed).with_values(**overrides)
 
-    def validate(self) -> None:
-        if not 1 <= self.draft_topk <= self.max_draft_topk:
-            raise ValueError(f"draft_topk must be in [1, {self.max_draft_topk}], got {self.draft_topk}")
-        if not 0 <= self.draft_depth <= self.max_draft_depth:
-            raise ValueError(f"draft_depth must be in [0, {self.max_draft_depth}] (0 = k), "
-                             f"got {self.draft_depth}")
-        if self.max_num_batched_tokens < 0:
-            raise ValueError(f"max_num_batched_tokens must be >= 0 (0 = no limit), "
-                             f"got {self.max_num_batched_tokens}")
-        if self.max_tree_batch < 0:
-            raise ValueError(f"max_tree_batch must be >= 0 (0 = no limit), got {self.max_tree_batch}")
-        for name in ("max_draft_batch", "max_sampled_draft_batch"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
-        if not 1 <= self.coupled_draft_topk <= self.max_draft_topk:
-            raise ValueError(f"coupled_draft_topk must be in [1, {self.max_draft_topk}], "
-                             f"got {self.coupled_draft_topk}")
-        if not 1 <= self.sampled_draft_depth <= self.max_draft_depth:
-            raise ValueError(f"sampled_draft_depth must be in [1, {self.max_draft_depth}], "
-                             f"got {self.sampled_draft_depth}")
-        for name in ("lookup_tokens", "sampled_lookup_tokens"):
-            if not 0 <= getattr(self, name) <= self.max_speculative_tokens:
-                raise ValueError(f"{name} must be in [0, {self.max_speculative_tokens}], "
-                                 f"got {getattr(self, name)}")
-        check_draft_limits(self)
+    def with_values(self, **values) -> "EngineConfig":
+        """This config with some settings changed, by their config names."""
+        return _with(self, values)
 
 
 def _text_config(target_dir: Path) -> dict:
@@ -354,7 +394,7 @@ def chat_template_default(repo_dir: Path) -> bool:
     setting (true in a repository without spec_decode)."""
     if not (Path(repo_dir) / "spec_decode" / "config.pbtxt").exists():
         return True
-    return read_settings(repo_dir).apply_chat_template
+    return read_settings(repo_dir).api.apply_chat_template
 
 
 CONFIG_NAME_ENV = "EAGLE_MODEL_CONFIG_NAME"  # tritonserver's --model-config-name (eagle_serve.server.serve)

@@ -167,7 +167,7 @@ def test_a_fuller_batch_drafts_shorter_chains_except_for_seeded_rejection_sample
     assert [policy.round_shape(r, 100, 2).nodes for r in (greedy, unseeded, seeded)][1:] == [0, 3]
     assert policy.round_shape(greedy, 100, 4).nodes > 0
 
-    assert EngineConfig.served().sampled_verify == "coupled"
+    assert EngineConfig.served().drafting.sampled_verify == "coupled"
     assert policy_request(DraftPolicy(EngineConfig.served(**costs)),
                           SamplingParams(temperature=0.7)).coupled  # with a random seed
     auto = DraftPolicy(EngineConfig.served(sampled_verify="auto", **costs))

@@ -145,7 +145,7 @@ def test_dear_rows_stop_lookups_before_any_drafter_call_is_measured():
             policy.costs.record_target(r, 0.004 + 0.0012 * r)
     assert policy.costs.shares(4).call is None
     assert policy.lookups(req, left=10, batch_size=4) == []
-    assert policy._costs(req, 4)[0] == pytest.approx(policy.config.draft_call_cost / 4)
+    assert policy._costs(req, 4)[0] == pytest.approx(policy.config.drafting.draft_call_cost / 4)
 
 
 def test_a_chain_alone_drafts_what_its_measured_costs_pay_for_and_a_tree_or_a_batch_needs_a_margin():

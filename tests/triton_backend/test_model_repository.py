@@ -9,7 +9,7 @@ from tritonclient.grpc import model_config_pb2
 
 from eagle_serve import paths
 from eagle_serve.models.dtypes import torch_dtype
-from eagle_serve.settings import ServingSettings, read_settings
+from eagle_serve.settings import ServingSettings, read_settings, setting_names
 
 REPO = paths.REPO_ROOT / "model_repository"
 
@@ -45,7 +45,7 @@ def test_the_shipped_configs_serve_the_settings_defaults_and_restate_none():
 
 def test_every_setting_is_documented_for_users():
     text = (REPO.parent / "docs" / "configuration.md").read_text()
-    assert [f for f in ServingSettings.__dataclass_fields__ if f"`{f}`" not in text] == []
+    assert [name for name in setting_names() if f"`{name}`" not in text] == []
 
 
 def test_the_in_process_engine_runs_the_served_engine_config():
@@ -56,7 +56,7 @@ def test_the_in_process_engine_runs_the_served_engine_config():
     served = EngineConfig.from_settings(settings.resolved(paths.default_target_dir(), 4), (2,))
     local = build_local_engine(paths.default_target_dir(), None, dtype="float32", corpus=None)
     assert local.config == served
-    assert served.num_speculative_tokens == ServingSettings().num_speculative_tokens
+    assert served.drafting.num_speculative_tokens == ServingSettings().drafting.num_speculative_tokens
 
 
 def test_the_model_sizes_the_kv_cache_and_the_context_unless_told():
@@ -64,21 +64,22 @@ def test_the_model_sizes_the_kv_cache_and_the_context_unless_told():
     64) is 1456 pages of 16 (46,080 bytes a token)."""
     from eagle_serve import paths
     settings = read_settings(REPO).resolved(paths.default_target_dir(), 4)
-    assert (settings.max_model_len, settings.num_target_pages, settings.num_drafter_pages) == (8192, 1456, 1456)
+    cache = settings.cache
+    assert (settings.scheduler.max_model_len, cache.num_target_pages, cache.num_drafter_pages) == (8192, 1456, 1456)
     assert "23296 tokens" in settings.kv_summary()
-    told = ServingSettings(max_model_len=4096, num_target_pages=100, kv_cache_gib=9.0)
-    assert told.resolved(paths.default_target_dir(), 4).num_target_pages == 100
-    assert told.resolved(paths.default_target_dir(), 4).num_drafter_pages == 100
-    assert told.resolved(paths.default_target_dir(), 2).max_model_len == 4096
+    told = ServingSettings.of(max_model_len=4096, num_target_pages=100, kv_cache_gib=9.0)
+    assert told.resolved(paths.default_target_dir(), 4).cache.num_target_pages == 100
+    assert told.resolved(paths.default_target_dir(), 4).cache.num_drafter_pages == 100
+    assert told.resolved(paths.default_target_dir(), 2).scheduler.max_model_len == 4096
     bf16 = ServingSettings().resolved(paths.default_target_dir(), 2)
-    assert bf16.num_target_pages == 2912  # half the bytes a token: 2^30 // (23,040 x 16)
+    assert bf16.cache.num_target_pages == 2912  # half the bytes a token: 2^30 // (23,040 x 16)
 
 
 def test_settings_parse_numbers_and_refuse_bad_ones_by_name():
     import pytest
     s = ServingSettings.from_parameters({"draft_min_prob": "0.05", "draft_expand_prob": "0.5",
                                          "max_running": "3"})
-    assert (s.draft_min_prob, s.draft_expand_prob, s.max_running) == (0.05, 0.5, 3)
+    assert (s.drafting.draft_min_prob, s.drafting.draft_expand_prob, s.scheduler.max_running) == (0.05, 0.5, 3)
     with pytest.raises(ValueError, match="draft_min_prob"):
         ServingSettings.from_parameters({"draft_min_prob": "often"})
     with pytest.raises(ValueError, match="draft_expand_prob must be in"):
@@ -105,8 +106,8 @@ def test_every_ensemble_input_reaches_preprocess_and_spec_decode_with_the_same_t
 
 
 def test_the_chat_template_switch_parses_true_and_false_only():
-    assert ServingSettings.from_parameters({"apply_chat_template": "false"}).apply_chat_template is False
-    assert ServingSettings().apply_chat_template is True
+    assert ServingSettings.from_parameters({"apply_chat_template": "false"}).api.apply_chat_template is False
+    assert ServingSettings().api.apply_chat_template is True
     with pytest.raises(ValueError, match="apply_chat_template"):
         ServingSettings.from_parameters({"apply_chat_template": "sometimes"})
 
@@ -120,10 +121,10 @@ def test_a_gpu_instance_refuses_float64_and_auto_means_bfloat16_there():
     import torch
 
     from eagle_serve.models.dtypes import settings_dtype
-    assert settings_dtype(ServingSettings(dtype="auto"), True, REPO) == torch.bfloat16
-    assert settings_dtype(ServingSettings(dtype="float64"), False, REPO) == torch.float64
+    assert settings_dtype(ServingSettings.of(dtype="auto"), True, REPO) == torch.bfloat16
+    assert settings_dtype(ServingSettings.of(dtype="float64"), False, REPO) == torch.float64
     with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
-        settings_dtype(ServingSettings(dtype="float64"), True, REPO)
+        settings_dtype(ServingSettings.of(dtype="float64"), True, REPO)
 
 
 def test_auto_is_float16_on_a_gpu_without_bfloat16_arithmetic(monkeypatch):
@@ -199,6 +200,6 @@ def test_the_settings_come_from_the_config_triton_loads(monkeypatch):
     assert settings_file(REPO) == REPO / "spec_decode" / "config.pbtxt"
     monkeypatch.setenv(CONFIG_NAME_ENV, "gpu")
     assert settings_file(REPO) == REPO / "spec_decode" / "configs" / "gpu.pbtxt"
-    assert read_settings(REPO).max_num_batched_tokens == 256
+    assert read_settings(REPO).scheduler.max_num_batched_tokens == 256
     monkeypatch.setenv(CONFIG_NAME_ENV, "no-such-config")  # Triton falls back to config.pbtxt too
     assert settings_file(REPO) == REPO / "spec_decode" / "config.pbtxt"

@@ -146,14 +146,15 @@ def main(argv=None) -> None:
 
 
 def policy_setting(config: EngineConfig, setting: str) -> EngineConfig:
-    """`config` with one field set from "NAME=VALUE" (as a spec_decode parameter), validated."""
+    """`config` with one setting set from "NAME=VALUE" (as a spec_decode parameter), validated."""
     name, _, value = setting.partition("=")
-    if name not in {f.name for f in dataclasses.fields(config)} or not value:
-        raise SystemExit(f"--policy {setting!r}: expected NAME=VALUE with NAME an EngineConfig field")
+    sections = {f.name for f in dataclasses.fields(config)} - {"eos_token_ids"}
+    section = next((s for s in sections if name in {f.name for f in dataclasses.fields(getattr(config, s))}), None)
+    if section is None or not value:
+        raise SystemExit(f"--policy {setting!r}: expected NAME=VALUE with NAME a setting the engine uses")
     try:  # parsed as the server parses its spec_decode parameters
-        parsed = getattr(ServingSettings.from_parameters({name: value}), name)
-        changed = dataclasses.replace(config, **{name: parsed})
-        changed.validate()
+        parsed = getattr(getattr(ServingSettings.from_parameters({name: value}), section), name)
+        changed = config.with_values(**{name: parsed})
     except ValueError as e:
         raise SystemExit(f"--policy {setting!r}: {e}") from None
     return changed

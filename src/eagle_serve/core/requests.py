@@ -119,14 +119,14 @@ class SamplingParams:
             (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= max_k,
              f"num_speculative_tokens must be in [0, {max_k}], got {self.num_speculative_tokens}"),
             (all(self.stop), "stop strings must not be empty"),
-            (len(self.stop) <= cfg.max_stop_strings,
-             f"at most {cfg.max_stop_strings} stop strings are allowed, got {len(self.stop)}"),
-            (stop_bytes <= cfg.max_stop_bytes,
-             f"stop strings may total at most {cfg.max_stop_bytes} bytes, got {stop_bytes}"),
-            (self.draft_topk is None or 1 <= self.draft_topk <= cfg.max_draft_topk,
-             f"draft_topk must be in [1, {cfg.max_draft_topk}], got {self.draft_topk}"),
-            (self.draft_depth is None or 1 <= self.draft_depth <= cfg.max_draft_depth,
-             f"draft_depth must be in [1, {cfg.max_draft_depth}], got {self.draft_depth}"),
+            (len(self.stop) <= cfg.limits.max_stop_strings,
+             f"at most {cfg.limits.max_stop_strings} stop strings are allowed, got {len(self.stop)}"),
+            (stop_bytes <= cfg.limits.max_stop_bytes,
+             f"stop strings may total at most {cfg.limits.max_stop_bytes} bytes, got {stop_bytes}"),
+            (self.draft_topk is None or 1 <= self.draft_topk <= cfg.drafting.max_draft_topk,
+             f"draft_topk must be in [1, {cfg.drafting.max_draft_topk}], got {self.draft_topk}"),
+            (self.draft_depth is None or 1 <= self.draft_depth <= cfg.drafting.max_draft_depth,
+             f"draft_depth must be in [1, {cfg.drafting.max_draft_depth}], got {self.draft_depth}"),
             (len(self.cache_salt.encode("utf-8")) <= MAX_CACHE_SALT_BYTES,
              f"cache_salt may be at most {MAX_CACHE_SALT_BYTES} bytes"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
@@ -191,7 +191,7 @@ class Request:
     seed: int
     stop: StopChecker | None
     tokens: list[int]               # prompt + output
-    coupled: bool = False           # sampled, verified by coupling (settings.sampled_verify)
+    coupled: bool = False           # sampled, verified by coupling (settings.drafting.sampled_verify)
     topk: int = 1                   # draft-tree shape (1 = chain; rejection-sampled requests: 1)
     depth: int = 0                  # <= k
     arrival: int = 0                # admission order

@@ -34,9 +34,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, workspace: DraftWorkspace, stats):
         """stats: the engine's EngineStats (preemptions are counted there)."""
         self.config, self.stats = config, stats
-        self.target_pool = PagePool(config.num_target_pages, config.page_size, "target")
-        self.drafter_pool = PagePool(config.num_drafter_pages, config.page_size, "drafter")
-        self.prefix = PrefixCache(self.target_pool, self.drafter_pool, stats, config.enable_prefix_caching)
+        self.target_pool = PagePool(config.cache.num_target_pages, config.cache.page_size, "target")
+        self.drafter_pool = PagePool(config.cache.num_drafter_pages, config.cache.page_size, "drafter")
+        self.prefix = PrefixCache(self.target_pool, self.drafter_pool, stats, config.cache.enable_prefix_caching)
         self.workspace = workspace
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -48,7 +48,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             while req in self.running and not self._reserve(req):
                 self.preempt(self.running[-1])
-        while self.waiting and len(self.running) < self.config.max_running:
+        while self.waiting and len(self.running) < self.config.scheduler.max_running:
             req = self.waiting[0]
             self.prefix.admit(req)
             if not self._reserve(req):
@@ -70,7 +70,7 @@ class Scheduler:
         reqs = suspects[:1] if suspects else list(self.running)
         for req in reqs:  # prompt logprobs: [chunk, V] logprobs a round, so a chunk is bounded
             req.chunk = PROMPT_LOGPROBS_CHUNK if req.params.prompt_logprobs is not None else None
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.scheduler.max_num_batched_tokens
         if not budget:
             return reqs
         steady = [r for r in reqs if r.uncomputed <= 1]
@@ -96,7 +96,7 @@ class Scheduler:
 
     def longest(self, req: Request) -> int:
         """The most tokens (prompt + output) the request could ever hold (the pools empty)."""
-        size = self.config.page_size
+        size = self.config.cache.page_size
         longest = self.target_pool.num_pages * size - (req.k + req.lookup_budget + 1)
         if req.k:
             longest = min(longest, self.drafter_pool.num_pages * size - (req.drafter_scratch() + 1))
@@ -109,7 +109,7 @@ class Scheduler:
             need.append((self.drafter_pool, total_tokens + req.drafter_scratch() + 1))
         if not all(pool.can_hold(n) for pool, n in need):
             raise ValueError(f"the request needs {max(n for _, n in need)} KV positions; the "
-                             f"cache holds only {min(p.num_pages for p, _ in need) * self.config.page_size}")
+                             f"cache holds only {min(p.num_pages for p, _ in need) * self.config.cache.page_size}")
 
     # ---- giving back ----
 
@@ -164,12 +164,12 @@ class Scheduler:
         cfg, now, expired = self.config, time.monotonic(), []
         for req in [*self.waiting, *self.running]:
             age = now - req.arrived_at
-            if cfg.max_queue_time_s and not req.admitted and age > cfg.max_queue_time_s:
+            if cfg.limits.max_queue_time_s and not req.admitted and age > cfg.limits.max_queue_time_s:
                 req.fail(f"server busy: request {req.id} waited {age:.0f} s for a place in the "
-                         f"batch (max_queue_time_s {cfg.max_queue_time_s:g})", "UNAVAILABLE")
-            elif cfg.request_timeout_s and age > cfg.request_timeout_s:
+                         f"batch (max_queue_time_s {cfg.limits.max_queue_time_s:g})", "UNAVAILABLE")
+            elif cfg.limits.request_timeout_s and age > cfg.limits.request_timeout_s:
                 req.fail(f"request {req.id} exceeded the server's deadline of "
-                         f"{cfg.request_timeout_s:g} s", "UNAVAILABLE")
+                         f"{cfg.limits.request_timeout_s:g} s", "UNAVAILABLE")
             else:
                 continue
             self.retire(req)

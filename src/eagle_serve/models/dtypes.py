@@ -36,4 +36,4 @@ def torch_dtype(name: str, on_gpu: bool = False, target_dir: Path | None = None)
 
 def settings_dtype(settings, on_gpu: bool, repo_dir: Path):
     """The model dtype of a worker of the repository at `repo_dir` with these ServingSettings."""
-    return torch_dtype(settings.dtype, on_gpu, settings.model_dirs(repo_dir)[0])
+    return torch_dtype(settings.model.dtype, on_gpu, settings.model_dirs(repo_dir)[0])

@@ -109,7 +109,7 @@ class DraftPolicy:
         if not has_drafter:
             return 0
         k = params.num_speculative_tokens
-        return self.config.num_speculative_tokens if k is None else k
+        return self.config.drafting.num_speculative_tokens if k is None else k
 
     def setup_request(self, req: Request) -> None:
         """A new request's verification rule (`coupled`), draft shape and lookup sources."""
@@ -122,7 +122,7 @@ class DraftPolicy:
         request under "coupled"; under "auto" the sampled requests that give a seed: their
         output is then plain seeded sampling's whatever is drafted, so their drafts may follow
         the load and the measured costs as an unseeded request's do."""
-        mode = self.config.sampled_verify
+        mode = self.config.drafting.sampled_verify
         return params.temperature > 0 and (
             mode == "coupled" or (mode == "auto" and params.seed is not None))
 
@@ -137,10 +137,10 @@ class DraftPolicy:
         if k == 0:
             return 1, 0
         if params.temperature > 0 and not (coupled and params.draft_topk is not None):
-            topk = cfg.coupled_draft_topk if coupled else 1
-            return topk, min(params.draft_depth or cfg.sampled_draft_depth, k)
-        topk = cfg.draft_topk if params.draft_topk is None else params.draft_topk
-        depth = cfg.draft_depth if params.draft_depth is None else params.draft_depth
+            topk = cfg.drafting.coupled_draft_topk if coupled else 1
+            return topk, min(params.draft_depth or cfg.drafting.sampled_draft_depth, k)
+        topk = cfg.drafting.draft_topk if params.draft_topk is None else params.draft_topk
+        depth = cfg.drafting.draft_depth if params.draft_depth is None else params.draft_depth
         return topk, min(depth or k, k)
 
     def setup_lookup(self, req: Request) -> None:
@@ -165,7 +165,7 @@ class DraftPolicy:
         it), every branch at most `left` deep (longest first); none where the request may not
         draft at all (`_over_draft_batch`)."""
         cfg = self.config
-        depth = min(left, cfg.max_speculative_tokens)
+        depth = min(left, cfg.drafting.max_speculative_tokens)
         if not req.lookup_budget or depth <= 0 or self._over_draft_batch(req, batch_size):
             return []
         floor, measured = self._row_prob(req, batch_size), not _seeded_rejection(req)
@@ -192,17 +192,17 @@ class DraftPolicy:
 
     def lookup_tokens(self, req: Request) -> int:
         cfg = self.config
-        return cfg.lookup_tokens if req.greedy else cfg.sampled_lookup_tokens
+        return cfg.drafting.lookup_tokens if req.greedy else cfg.drafting.sampled_lookup_tokens
 
     def _trees_allowed(self, batch_size: int) -> bool:
-        limit = self.config.max_tree_batch
+        limit = self.config.drafting.max_tree_batch
         return limit == 0 or batch_size <= limit
 
     def _over_draft_batch(self, req: Request, batch_size: int) -> bool:
         """More requests run than the request may draft beside (max_draft_batch; sampled ones
         max_sampled_draft_batch; 0 = no limit), its load being `_load`'s."""
         cfg = self.config
-        limit = cfg.max_draft_batch if req.greedy else cfg.max_sampled_draft_batch
+        limit = cfg.drafting.max_draft_batch if req.greedy else cfg.drafting.max_sampled_draft_batch
         return bool(limit) and _load(req, batch_size) > limit
 
     def round_shape(self, req: Request, left: int, batch_size: int) -> RoundShape:
@@ -214,7 +214,7 @@ class DraftPolicy:
         depth = self._paying_depth(req, max(0, min(req.depth, left)), batch_size)
         if depth == 0:
             return RoundShape(0, 1, 0, 0.0, 0.0)
-        pruning = (self._row_prob(req, batch_size), cfg.draft_expand_prob if req.greedy else 0.0)
+        pruning = (self._row_prob(req, batch_size), cfg.drafting.draft_expand_prob if req.greedy else 0.0)
         if req.topk > 1 and self._trees_allowed(batch_size):
             return RoundShape(min(req.k, tree_capacity(req.topk, depth)), req.topk, depth, *pruning)
         return RoundShape(depth, 1, depth, *pruning)
@@ -232,7 +232,7 @@ class DraftPolicy:
         if self._over_draft_batch(req, batch_size):
             return 0
         fixed = req.params.draft_depth is not None
-        if depth == 0 or fixed or not (cfg.draft_call_cost or cfg.draft_step_cost):
+        if depth == 0 or fixed or not (cfg.drafting.draft_call_cost or cfg.drafting.draft_step_cost):
             return depth
         tree = req.topk > 1 and self._trees_allowed(batch_size)
         rate = req.acceptance.rate(ACCEPT_PRIOR, PRIOR_WEIGHT)
@@ -251,8 +251,8 @@ class DraftPolicy:
         dear (fp32 on 2 CPU cores: a fifth of a plain round each alone, half of it beside three
         others) this keeps trees and lookup branches to the drafts likely enough to pay."""
         cfg = self.config
-        least = cfg.draft_min_prob if req.greedy else cfg.sampled_draft_min_prob
-        if not (cfg.draft_call_cost or cfg.draft_step_cost):
+        least = cfg.drafting.draft_min_prob if req.greedy else cfg.drafting.sampled_draft_min_prob
+        if not (cfg.drafting.draft_call_cost or cfg.drafting.draft_step_cost):
             return least
         _, step, margin = self._costs(req, _load(req, batch_size))
         return max(least, step * (1.0 + margin))
@@ -267,11 +267,11 @@ class DraftPolicy:
         never depend on timings."""
         cfg = self.config
         measured = None
-        if cfg.measured_draft_costs and not _seeded_rejection(req):
+        if cfg.drafting.measured_draft_costs and not _seeded_rejection(req):
             measured = self.costs.shares(load)
-        call = cfg.draft_call_cost / load
+        call = cfg.drafting.draft_call_cost / load
         if measured is None:
-            return call, cfg.draft_step_cost + cfg.draft_batch_cost * (load - 1), 0.0
+            return call, cfg.drafting.draft_step_cost + cfg.drafting.draft_batch_cost * (load - 1), 0.0
         margin = BATCH_MARGIN if load > 1 else MEASURED_MARGIN if tree else 0.0
         return call if measured.call is None else measured.call, measured.step, margin
 

@@ -28,7 +28,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
     probabilities) go into the request."""
     cfg, start = policy.config, time.perf_counter()
     lefts = [min(w.req.params.max_tokens - len(w.req.output) - 1,
-                 cfg.max_model_len - len(w.req.tokens)) for w in work]
+                 cfg.scheduler.max_model_len - len(w.req.tokens)) for w in work]
     shapes = [policy.round_shape(w.req, left, batch_size) for w, left in zip(work, lefts)]
     called = [(w, s) for w, s in zip(work, shapes) if s.nodes]
     for w, _ in called:  # join the features of the rounds that drafted nothing, once
@@ -60,7 +60,7 @@ def propose_drafts(work: list[DraftWork], drafter: DrafterRunner, policy: DraftP
         for branch in policy.lookups(req, left, batch_size, first_path(drafts, parents)):
             budget -= merge_branch(drafts, parents, keys, branch, budget)
         if req.grammar is not None:
-            drafts, parents, keys = _guided(req, drafts, parents, keys, left, cfg.max_speculative_tokens)
+            drafts, parents, keys = _guided(req, drafts, parents, keys, left, cfg.drafting.max_speculative_tokens)
         slots = workspace.alloc(len(drafts))
         if slots is None:  # no free slots: this round verifies no drafts
             continue

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-server", action="store_true", help="skip step 8 (through Triton)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if ON_GPU else "cpu")
-    settings = ServingSettings(**{**vars(gpu_settings()), "dtype": args.dtype})
+    settings = gpu_settings().with_values(dtype=args.dtype)
     dtype = torch_dtype(args.dtype, ON_GPU, Path(args.target))
     print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'no GPU: CPU, kernels through the interpreter'}"
           f"; torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')}", flush=True)
@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     results = engine_comparison(engine, prompts, args.max_tokens)
     after = compiled_count(device)
     print(f"4. engine, {len(prompts)} prompts, {args.max_tokens} tokens, plain (k=0) and the default "
-          f"(k={settings.num_speculative_tokens}, topk {settings.draft_topk}, depth "
-          f"{settings.draft_depth}) in turn:")
+          f"(k={settings.drafting.num_speculative_tokens}, topk {settings.drafting.draft_topk}, depth "
+          f"{settings.drafting.draft_depth}) in turn:")
     for case, r in results.items():
         print(f"   {case:26s} k=0 {r.plain:7.1f} tokens/s, default {r.default:7.1f} "
               f"({r.default / r.plain:.2f}x, tau {r.tau:.2f}), outputs identical to k=0: "

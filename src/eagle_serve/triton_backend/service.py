@@ -329,7 +329,7 @@ def start_service(pb, args: dict) -> "SpecDecodeService":
     if device.type == "cpu":
         settings.apply_threads("engine")
     vocab = AutoConfig.from_pretrained(str(target_dir)).vocab_size
-    bls = dict(key=internal_key.server_key(), timeout_s=settings.model_call_timeout_s)
+    bls = dict(key=internal_key.server_key(), timeout_s=settings.limits.model_call_timeout_s)
     target = BlsTarget(pb, vocab, device, **bls)
     drafter = BlsDrafter(pb, vocab, device, **bls) if drafter_dir is not None else None
     tokenizer = load_tokenizer(target_dir)
@@ -338,8 +338,8 @@ def start_service(pb, args: dict) -> "SpecDecodeService":
                     tokenizer=tokenizer, device=device,
                     corpus=load_corpus_index(corpus, tokenizer) if corpus else None)
     log_warmup("spec_decode", warm_engine(engine))
-    metrics = EngineMetrics(pb, settings.max_speculative_tokens, model_name=target_dir.name)
-    return SpecDecodeService(pb, engine, metrics, settings.max_input_bytes,
-                             draft_timeout_s=settings.model_call_timeout_s, on_broken=tu.stop_server,
-                             apply_chat_template=settings.apply_chat_template,
+    metrics = EngineMetrics(pb, settings.drafting.max_speculative_tokens, model_name=target_dir.name)
+    return SpecDecodeService(pb, engine, metrics, settings.limits.max_input_bytes,
+                             draft_timeout_s=settings.limits.model_call_timeout_s, on_broken=tu.stop_server,
+                             apply_chat_template=settings.api.apply_chat_template,
                              defaults=generation_defaults(target_dir))

@@ -103,9 +103,9 @@ class TargetWorker(_Worker):
             layers = load_head(self.drafter_dir, self.target_dir).spec.feature_layers
         s = self.settings
         self.model = TargetModel(self.target_dir, dtype=self.dtype, device=self.device,
-                                 num_pages=s.num_target_pages, page_size=s.page_size,
-                                 feature_layers=layers, activations=s.target_activations,
-                                 cuda_graphs=s.cuda_graphs)
+                                 num_pages=s.cache.num_target_pages, page_size=s.cache.page_size,
+                                 feature_layers=layers, activations=s.model.target_activations,
+                                 cuda_graphs=s.model.cuda_graphs)
         log_warmup("eagle_target", warm_target(self.model))  # not at the first request
 
     def handle(self, pb, request) -> list:
@@ -133,8 +133,8 @@ class DrafterWorker(_Worker):
         if self.drafter_dir is not None:
             s = self.settings
             self.drafter = load_drafter(self.drafter_dir, self.target_dir, dtype=self.dtype,
-                                        device=self.device, num_pages=s.num_drafter_pages,
-                                        page_size=s.page_size, weights=s.drafter_weights)
+                                        device=self.device, num_pages=s.cache.num_drafter_pages,
+                                        page_size=s.cache.page_size, weights=s.model.drafter_weights)
             log_warmup("eagle_drafter", warm_drafter(self.drafter))
 
     def handle(self, pb, request) -> list:
