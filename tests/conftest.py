@@ -66,6 +66,12 @@ def _servers_know_the_module(request):
     request.getfixturevalue("triton_server").module = request.module.__name__
 
 
+@pytest.fixture
+def no_idle_servers(triton_server):
+    """For a test that starts servers of its own: the pool's idle ones stopped first."""
+    triton_server.stop_idle()
+
+
 def pytest_collection_modifyitems(items):
     """Modules with `server` or `slow` tests first (in their order, each kept whole). xdist's
     loadfile then hands out modules by their number of tests, this order breaking ties;

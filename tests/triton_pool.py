@@ -24,14 +24,16 @@ from eagle_serve.triton_backend.repo_config import copy_repository
 
 class ServerPool:
     """One server per name, started when first asked for; a failed start is remembered so later
-    tests fail at once instead of waiting again. Each server is ~1.8 GB of model processes and
-    `make test` runs a pool per worker: starting one stops those beyond `max_live - 1`, the
-    one asked for longest ago first, but never one the running test module asked for (`module`,
-    kept by conftest); asked for again later, a server starts again."""
+    tests fail at once instead of waiting again. Each server is ~1.8 GB of model processes (the
+    default model's ~3 GB) and `make test` runs a pool per worker: starting one stops those
+    beyond `max_live - 1`, the one asked for longest ago first, but of those the running test
+    module asked for (`module`, kept by conftest) only beyond `max_module - 1`, so that a module
+    alternating between two servers starts each once; asked for again later, a server starts
+    again. A module holding a server in a fixture asks for at most `max_module`."""
 
-    def __init__(self, workdir: Path, max_live: int = 1):
+    def __init__(self, workdir: Path, max_live: int = 1, max_module: int = 2):
         self.workdir = Path(workdir)
-        self.max_live = max_live
+        self.max_live, self.max_module = max_live, max_module
         self.module = ""
         self.servers: dict[str, TritonServer] = {}  # live, least recently asked for first
         self._asked_by: dict[str, str] = {}  # name -> the module that last asked for it
@@ -70,6 +72,14 @@ class ServerPool:
         idle = [name for name in self.servers if self._asked_by[name] != self.module]
         while len(self.servers) >= self.max_live and idle:
             self.servers.pop(idle.pop(0)).stop()
+        while len(self.servers) >= self.max_module:
+            self.servers.pop(next(iter(self.servers))).stop()
+
+    def stop_idle(self) -> None:
+        """Stop the live servers the running module has not asked for: before a test starts
+        servers of its own (`make serve`, replicas), beside which an idle one is only memory."""
+        for name in [name for name in self.servers if self._asked_by[name] != self.module]:
+            self.servers.pop(name).stop()
 
     def close(self) -> None:
         """Every server stopped, all at once (each may take seconds to drain)."""

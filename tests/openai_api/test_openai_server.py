@@ -305,7 +305,7 @@ def test_a_full_engine_answers_503_server_busy(triton_server, tiny_models, tmp_p
 
 
 @pytest.fixture
-def served(tmp_path, tiny_models):
+def served(tmp_path, tiny_models, no_idle_servers):
     """`python -m eagle_serve.server.serve` (what `make serve` runs) with the OpenAI server beside it."""
     with serve_tiny(tmp_path, tiny_models, openai=True) as proc:
         yield proc, OpenAIServer(proc, proc.openai_port, proc.log_path)

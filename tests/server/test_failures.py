@@ -17,10 +17,11 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def supervised(tmp_path_factory, tiny_models):
+def supervised(tmp_path_factory, tiny_models, triton_server):
     """`python -m eagle_serve.server.serve` (what `make serve` runs) on the tiny float64 model,
     answering; one for the module: each kill test leaves it answering again, and the SIGTERM
     test, last, ends it."""
+    triton_server.stop_idle()
     with serve_tiny(tmp_path_factory.mktemp("supervised"), tiny_models) as proc:
         assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
         yield proc

@@ -32,7 +32,7 @@ def ready_status(http_port: int) -> int | None:
         return None
 
 
-def test_health_fails_once_a_model_process_is_dead(tmp_path):
+def test_health_fails_once_a_model_process_is_dead(tmp_path, no_idle_servers):
     repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo",
                            ["preprocess", "postprocess"], None)
     server = launch("health", repo, tmp_path / "server.log")

@@ -119,7 +119,8 @@ def until_both_served(replicas: Replicas, before: list[int], timeout_s: float = 
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
+def replicas(tmp_path_factory, triton_server):
+    triton_server.stop_idle()  # two default-model servers of its own
     ports = port_block()
     log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
     env = {**os.environ, **{k: str(v) for k, v in ports.items()}}

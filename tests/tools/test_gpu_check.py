@@ -16,7 +16,7 @@ from eagle_serve.tools.gpu_server import CASES
 
 @pytest.mark.server
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, run `make gpu-check`")
-def test_gpu_check_runs_its_cpu_parts_and_passes(tiny_models, capsys, tmp_path):
+def test_gpu_check_runs_its_cpu_parts_and_passes(tiny_models, capsys, tmp_path, no_idle_servers):
     code = gpu_check.main(["--target", str(tiny_models["target"]),
                            "--drafter", str(tiny_models["eagle3"]), "--dtype", "float64",
                            "--num-prompts", "2", "--max-tokens", "8", "--require-identical",

@@ -52,7 +52,7 @@ def test_a_qwen3_target_with_a_speculators_head_serves_hf_greedy_output_with_and
         assert outputs[0] == outputs[3] == outputs[6] == expected
 
 
-def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_models):
+def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_models, no_idle_servers):
     """Served with --model-config-name=gpu (its instances made CPU ones to run here), every model
     reads spec_decode's configs/gpu.pbtxt: there alone it names the tiny float64 model, while
     config.pbtxt still names the default one, and the output is the tiny model's."""
