@@ -192,3 +192,18 @@ def test_without_the_cpu_kernels_int8_target_activations_are_refused_and_the_dra
     engine = tiny_engine(tiny_target, eagle3_head, dtype="float32", drafter_weights="q8_0_a8")
     kinds = {m.blocks.kind for m in engine.drafter.head.modules() if isinstance(m, CpuLinear)}
     assert kinds == {"q8_0"}
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_ones_kept(tmp_path, monkeypatch):
+    import time
+
+    from eagle_serve.kernels.cpu import STALE_LOCK_S, clear_stale_lock
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "probe" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert not clear_stale_lock("probe") and lock.exists()  # a build under way
+    long_ago = time.time() - STALE_LOCK_S - 1
+    os.utime(lock, (long_ago, long_ago))
+    assert clear_stale_lock("probe") and not lock.exists()
+    assert not clear_stale_lock("probe")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -85,6 +86,25 @@ SOURCES = ("cpu_bind.cpp", "cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu
            "cpu_lookup.cpp", "cpu_amx.cpp")
 
 
+STALE_LOCK_S = 600.0  # a build takes about a minute: a lock this old outlived its builder
+
+
+def clear_stale_lock(name: str) -> bool:
+    """Remove the build lock of extension `name` if it is older than STALE_LOCK_S (-> whether it
+    did). torch's loader waits on that file until its builder deletes it, so a builder killed
+    mid-build (a stopped server's first start) would leave every later start waiting forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            return True
+    except OSError:  # no lock, or its builder finished meanwhile
+        pass
+    return False
+
+
 def build(folder: Path, suffix: str = ""):
     """Compile (or load from the extension cache) the kernels in `folder` (this one's, or
     another revision's for an A/B: eagle-serve bench forward --kernels-from) for this CPU."""
@@ -92,6 +112,8 @@ def build(folder: Path, suffix: str = ""):
 
     name, isa = ("eagle_cpu_kernels_avx512", ["-mavx512f", "-mavx512dq"]) if wide_linears() else ("eagle_cpu_kernels", [])
     sources = [str(folder / f) for f in SOURCES if (folder / f).exists()]  # an older revision's: fewer
+    if clear_stale_lock(name + suffix):
+        warnings.warn(f"removed the stale build lock of {name + suffix} (a build killed mid-way)")
     return load(name + suffix, sources,
                 extra_cflags=["-O3", "-mavx2", "-mfma", *isa, "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
