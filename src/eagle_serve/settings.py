@@ -13,6 +13,7 @@ Imports no torch: preprocess and postprocess read the tokenizer folder through h
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -207,8 +208,10 @@ class CpuSettings(_Section):
     engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
 
 
-def _section_of(cls) -> dict[str, str]:
-    """{setting name: the section field of `cls` holding it}: a flat name finds its group."""
+@functools.cache
+def setting_sections(cls) -> dict[str, str]:
+    """{setting name: the section field of `cls` (ServingSettings or EngineConfig) holding it}:
+    a config name finds its group."""
     hints = get_type_hints(cls)
     return {f.name: section.name for section in fields(cls) if isinstance(hints[section.name], type)
             and issubclass(hints[section.name], _Section) for f in fields(hints[section.name])}
@@ -217,7 +220,7 @@ def _section_of(cls) -> dict[str, str]:
 def _with(obj, values: dict):
     """`obj` (ServingSettings or EngineConfig) with settings replaced by their config names (or
     its own other fields by theirs)."""
-    where = _section_of(type(obj))
+    where = setting_sections(type(obj))
     own = {f.name for f in fields(obj)} - set(where.values())
     unknown = set(values) - set(where) - own
     if unknown:
@@ -252,7 +255,7 @@ class ServingSettings:
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "ServingSettings":
         """A config's `parameters` (string values) -> settings."""
-        where = _section_of(cls)
+        where = setting_sections(cls)
         unknown = set(params) - set(where) - {"FORCE_CPU_ONLY_INPUT_TENSORS"}
         if unknown:
             raise ValueError(f"unknown spec_decode parameters: {sorted(unknown)}")
@@ -312,7 +315,7 @@ class ServingSettings:
 
 def setting_names() -> list[str]:
     """Every setting's config name."""
-    return list(_section_of(ServingSettings))
+    return list(setting_sections(ServingSettings))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ the default's: a policy change's gain on whole requests, beside the default in t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from eagle_serve.engine import Engine
 from eagle_serve.kernels.cpu import without_amx_tiles
 from eagle_serve.local import build_local_engine
 from eagle_serve.models import cpu_stack
-from eagle_serve.settings import EngineConfig, ServingSettings
+from eagle_serve.settings import EngineConfig, ServingSettings, setting_sections
 
 
 @dataclass(frozen=True)
@@ -148,8 +147,7 @@ def main(argv=None) -> None:
 def policy_setting(config: EngineConfig, setting: str) -> EngineConfig:
     """`config` with one setting set from "NAME=VALUE" (as a spec_decode parameter), validated."""
     name, _, value = setting.partition("=")
-    sections = {f.name for f in dataclasses.fields(config)} - {"eos_token_ids"}
-    section = next((s for s in sections if name in {f.name for f in dataclasses.fields(getattr(config, s))}), None)
+    section = setting_sections(EngineConfig).get(name)
     if section is None or not value:
         raise SystemExit(f"--policy {setting!r}: expected NAME=VALUE with NAME a setting the engine uses")
     try:  # parsed as the server parses its spec_decode parameters

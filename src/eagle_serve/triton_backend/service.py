@@ -15,6 +15,7 @@ restarts it.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import time
 import traceback
@@ -24,17 +25,25 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from transformers import AutoConfig
 
 from eagle_serve.core.interfaces import ModelUnavailable
 from eagle_serve.core.requests import (
     RequestOutput,
     TokenLogprob,
 )
-from eagle_serve.core.tokenization import decode, decode_delta, detok_window
+from eagle_serve.core.tokenization import decode, decode_delta, detok_window, eos_token_ids, load_tokenizer
 from eagle_serve.engine import Engine, EngineBusy
+from eagle_serve.kernels.warmup import warm_engine
+from eagle_serve.models.dtypes import settings_dtype
+from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults
+from eagle_serve.spec.lookup import load_corpus_index
+from eagle_serve.triton_backend import internal_key
 from eagle_serve.triton_backend import io as tu
+from eagle_serve.triton_backend.bls import BlsDrafter, BlsTarget
 from eagle_serve.triton_backend.client_request import read_request
 from eagle_serve.triton_backend.metrics import EngineMetrics
+from eagle_serve.triton_backend.workers import instance_device, log_warmup
 
 # Asking Triton whether a client cancelled is a round trip to the server process (measured
 # ~0.08 ms a request, 1-2% of a round at 1-8 streams on a 2-core CPU): open requests are asked
@@ -304,19 +313,6 @@ def logprob_tensors(logprobs: list[TokenLogprob], prefix: str = "") -> list:
 def start_service(pb, args: dict) -> "SpecDecodeService":
     """spec_decode's `initialize`: its settings resolved as eagle_target's, the engine on BLS
     models, warmed (GPU kernels compiled before any request), and its service."""
-    import json
-
-    from transformers import AutoConfig
-
-    from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
-    from eagle_serve.kernels.warmup import warm_engine
-    from eagle_serve.models.dtypes import settings_dtype
-    from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults
-    from eagle_serve.spec.lookup import load_corpus_index
-    from eagle_serve.triton_backend import internal_key
-    from eagle_serve.triton_backend.bls import BlsDrafter, BlsTarget
-    from eagle_serve.triton_backend.workers import instance_device, log_warmup
-
     config = json.loads(args["model_config"])
     tu.require_single_instance(config)
     repo = tu.repository_dir(args)
