@@ -47,12 +47,15 @@ def specs():
         group = shape["q_heads"] // shape["kv_heads"]
         for dtype in ("bf16", "fp32", "fp16"):
             tiles = smallest_inputs(lambda q: pa.attention_tile(group, q), range(1, MAX_QUERIES + 1))
-            spot_check = dtype == "fp16"  # one tile: dtype coverage, not every tile again
-            # every tile without window/soft-cap (the default model's case); one tile for each
-            # window/soft-cap combination (Mistral, Qwen2, Gemma)
-            for i, (block_m, block_q) in enumerate(list(tiles)[:1] if spot_check else tiles):
-                extras = [(False, False)] + ([(True, False), (False, True), (True, True)] if i == 0 else [])
-                for tree, (window, softcap) in itertools.product((False, True), extras):
+            # The flags (tree mask, window, soft-cap) act on the float32 score tile, the same
+            # code whatever the input dtype, which changes only the loads and the dots, whose
+            # lowering depends on the tile. So: bfloat16 (served on GPUs) with every tile, tree
+            # or not, and each window/soft-cap combination (Mistral, Qwen2, Gemma) on one tile;
+            # float32 with every tile; float16 (sm_75) with one.
+            flags = dtype == "bf16"
+            for i, (block_m, block_q) in enumerate(list(tiles)[:1] if dtype == "fp16" else tiles):
+                extras = [(False, False)] + ([(True, False), (False, True), (True, True)] if flags and i == 0 else [])
+                for tree, (window, softcap) in itertools.product((False, True) if flags else (False,), extras):
                     add(pa._paged_attention_kernel,
                         [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", I64, f"*{dtype}", "fp32", I32, "fp32"]
                         + [I32] * 13,
