@@ -1,5 +1,7 @@
 """Prompt encoding and stateless incremental detokenization on the real default tokenizer."""
 import copy
+import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +16,10 @@ from eagle_serve.core.tokenization import (
     detok_window,
     encode_prompt,
     load_tokenizer,
+    render_chat,
     stable_prefix,
+    text_tokenizer,
+    tokenizer_cache_file,
 )
 
 EMOJI = "😀"
@@ -164,3 +169,62 @@ def test_concatenated_deltas_equal_the_decode_of_all_ids(tokenizer, byte_ids, pa
         assert "".join(stream(tokenizer, ids, sizes, check_prompt=True)) == decode(tokenizer, ids)
 
     check()
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀 <|im_end|>"},
+        {"role": "assistant", "content": "Hello!", "tool_calls": None}, {"role": "user", "content": "2+2?"}]
+PROMPTS = ["Once upon a time", "  two  spaces\n\ttab", "<|im_start|>user\nhi<|im_end|>", "中文 é 𝄞 \ufffd",
+           "def f(x):\n    return x ** 2  # code", "<|endoftext|>"]
+
+
+@pytest.fixture(scope="module")
+def cached_text_tokenizer(tokenizer, tmp_path_factory):
+    """(built from the Hugging Face tokenizer, read back from the cache it wrote)"""
+    folder = paths.default_target_dir()
+    os.environ["EAGLE_CACHE"], before = str(tmp_path_factory.mktemp("cache")), os.environ.get("EAGLE_CACHE")
+    try:
+        built = text_tokenizer(folder)
+        assert tokenizer_cache_file(folder).exists()
+        return built, text_tokenizer(folder)
+    finally:
+        os.environ.pop("EAGLE_CACHE") if before is None else os.environ.update(EAGLE_CACHE=before)
+
+
+def test_the_text_tokenizer_encodes_and_renders_chats_as_the_hugging_face_tokenizer(
+        tokenizer, cached_text_tokenizer):
+    for ours in cached_text_tokenizer:
+        assert len(ours) == len(tokenizer)
+        assert render_chat(ours, CHAT) == render_chat(tokenizer, CHAT)
+        for text in PROMPTS:
+            for template in (True, False):
+                assert encode_prompt(ours, text, template) == encode_prompt(tokenizer, text, template)
+
+
+def test_the_text_tokenizer_decodes_any_ids_as_the_hugging_face_tokenizer(
+        tokenizer, cached_text_tokenizer, byte_ids, partial_ids):
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(token_streams(tokenizer, byte_ids, partial_ids), st.booleans())
+    def check(case, skip):
+        ids, _ = case
+        for ours in cached_text_tokenizer:
+            assert decode(ours, ids, skip) == decode(tokenizer, ids, skip)
+
+    check()
+
+
+def test_an_edited_tokenizer_file_is_a_new_cache_entry(tmp_path, monkeypatch):
+    default = paths.default_target_dir()
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for file in default.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (folder / file.name).write_bytes(file.read_bytes())
+    before = tokenizer_cache_file(folder)
+    assert text_tokenizer(folder).chat_template and before.exists()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    assert tokenizer_cache_file(folder) != before
+    assert render_chat(text_tokenizer(folder), CHAT[:2]) == "[Be brief.][Hi 😀 <|im_end|>]"

@@ -6,7 +6,7 @@ eagle_serve.core.tokenization). Exactly one instance, so a stream's responses st
 """
 import json
 
-from eagle_serve.core.tokenization import decode_delta, load_tokenizer
+from eagle_serve.core.tokenization import decode_delta, text_tokenizer
 from eagle_serve.settings import tokenizer_dir
 from eagle_serve.triton_backend import client_request as cr
 from eagle_serve.triton_backend import io as tu
@@ -18,7 +18,7 @@ class TritonPythonModel:
         tu.require_single_instance(config)
         params = tu.model_parameters(config)
         folder = tokenizer_dir(params.get("tokenizer_dir", "target"), tu.repository_dir(args))
-        self.tokenizer = load_tokenizer(folder)
+        self.tokenizer = text_tokenizer(folder)
         self.vocab_size = len(self.tokenizer)
         self.skip_special_tokens = tu.flag(params.get("skip_special_tokens", "true"))
         tu.freeze_loaded_objects()

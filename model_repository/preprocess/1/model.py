@@ -6,7 +6,7 @@ The checks and the encoding are triton_utils.prompt_ids, which spec_decode's dir
 """
 import json
 
-from eagle_serve.core.tokenization import load_tokenizer
+from eagle_serve.core.tokenization import text_tokenizer
 from eagle_serve.settings import chat_template_default, tokenizer_dir
 from eagle_serve.triton_backend import client_request as cr
 from eagle_serve.triton_backend import io as tu
@@ -16,7 +16,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = tu.model_parameters(json.loads(args["model_config"]))
         folder = tokenizer_dir(params.get("tokenizer_dir", "target"), tu.repository_dir(args))
-        self.tokenizer = load_tokenizer(folder)
+        self.tokenizer = text_tokenizer(folder)
         self.max_input_bytes = int(params.get("max_input_bytes", 65536))
         self.apply_chat_template = chat_template_default(tu.repository_dir(args))
         tu.freeze_loaded_objects()

@@ -24,12 +24,19 @@ invalid, so for them it holds as long as byte tokens form valid UTF-8 (as a mode
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 REPLACEMENT = "\ufffd"
 HOLD = 3
 WINDOW = 16
+# the files a tokenizer is made of (weights excluded): they key text_tokenizer's cache
+_TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 
 
 def load_tokenizer(folder: str | Path):
@@ -37,6 +44,90 @@ def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """A Hugging Face tokenizer's encode, decode and chat template on the `tokenizers` backend
+    alone, for preprocess and postprocess: transformers' AutoTokenizer imports torch (~5 s of
+    CPU per process at every server start), this ~1 s. It is the Hugging Face tokenizer's own
+    backend, saved once per machine by `text_tokenizer`, so ids and text are that tokenizer's;
+    it answers the calls the functions below make of one."""
+    backend: object  # tokenizers.Tokenizer
+    chat_template: str | None
+    template_tokens: dict  # special_tokens_map: bos_token, eos_token, ... which templates read
+    size: int  # len() of the Hugging Face tokenizer
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool = False) -> str:
+        assert not clean_up_tokenization_spaces, "decode is additive only without clean-up"
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = False) -> str:
+        """What the Hugging Face tokenizer's apply_chat_template(..., tokenize=False) renders."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        assert not tokenize and self.chat_template
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **self.template_tokens)
+        return rendered[0]
+
+
+def text_tokenizer(folder: str | Path) -> TextTokenizer:
+    """The TextTokenizer of a model folder, from the machine's cache (`tokenizer_cache_file`),
+    else from the Hugging Face tokenizer, which then fills the cache (where it cannot be
+    written: used uncached)."""
+    from tokenizers import Tokenizer
+
+    cached = tokenizer_cache_file(folder)
+    if cached.exists():
+        saved = json.loads(cached.read_text())
+    else:
+        hf = load_tokenizer(folder)
+        template = hf.get_chat_template() if getattr(hf, "chat_template", None) else None
+        saved = {"backend": hf.backend_tokenizer.to_str(), "chat_template": template,
+                 "template_tokens": hf.special_tokens_map, "size": len(hf)}
+        _write_atomically(cached, json.dumps(saved))
+    if saved["chat_template"]:
+        from transformers.utils import chat_template_utils  # noqa: F401 (now, not at the first request)
+    backend = Tokenizer.from_str(saved["backend"])
+    backend.no_truncation()
+    backend.no_padding()
+    return TextTokenizer(backend, saved["chat_template"], saved["template_tokens"], saved["size"])
+
+
+def tokenizer_cache_file(folder: str | Path) -> Path:
+    """EAGLE_CACHE/tokenizers/<key>.json, keyed by the tokenizer files' bytes and the
+    transformers version (which builds the backend)."""
+    from importlib.metadata import version
+
+    from eagle_serve import paths
+
+    digest = hashlib.sha256(version("transformers").encode())
+    for file in sorted(Path(folder).iterdir()):
+        if file.suffix in _TOKENIZER_SUFFIXES and file.is_file():
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return paths.cache_dir() / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Whole or not at all: preprocess and postprocess may write the same file at once."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(text)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:

