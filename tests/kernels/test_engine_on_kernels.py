@@ -21,14 +21,15 @@ def small_models(tmp_path_factory):
     return target, make_random_head(root / "eagle3", target, 3, draft_vocab_size=1024)
 
 
-PROMPTS = [list(range(5, 45)), list(range(100, 103))]  # 40 tokens: three pages of 16, and 3
+PROMPTS = [list(range(5, 45)), list(range(100, 103))]  # 40 tokens: three pages of 16 (the 12
+# generated cross into a fourth), and 3
 SHAPES = {"plain": dict(num_speculative_tokens=0),
           "chain": dict(num_speculative_tokens=3, draft_topk=1),
           "tree": dict(num_speculative_tokens=6, draft_topk=2, draft_depth=3)}
 
 
 def generate(engine, shape: dict, **sampling) -> list[list[int]]:
-    params = SamplingParams(max_tokens=24, ignore_eos=True, **shape, **sampling)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **shape, **sampling)
     return [engine.generate([p], params)[0].token_ids for p in PROMPTS]
 
 
