@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
-import psutil
 import pytest
 from test_reliability import tight_server
-from triton_pool import serve_tiny, tiny_server
+from triton_pool import tiny_server
 from triton_pool import wait_until as server_wait_until
 
 from eagle_serve.client import grpc_generate, metrics
@@ -302,38 +301,6 @@ def test_a_full_engine_answers_503_server_busy(triton_server, tiny_models, tmp_p
         assert all(r == solo for r in burst if isinstance(r, str))
     finally:
         api.stop()
-
-
-@pytest.fixture
-def served(tmp_path, tiny_models, no_idle_servers):
-    """`python -m eagle_serve.server.serve` (what `make serve` runs) with the OpenAI server beside it."""
-    with serve_tiny(tmp_path, tiny_models, openai=True) as proc:
-        yield proc, OpenAIServer(proc, proc.openai_port, proc.log_path)
-
-
-def child_running(parent: subprocess.Popen, needle: str) -> psutil.Process | None:
-    for child in psutil.Process(parent.pid).children(recursive=True):
-        try:
-            if needle in " ".join(child.cmdline()):
-                return child
-        except psutil.NoSuchProcess:
-            pass
-    return None
-
-
-def test_make_serve_runs_the_openai_server_through_a_restart_and_stops_both(served):
-    proc, api = served
-    answers = lambda: chat(api, user("Hi"), max_tokens=4).usage.completion_tokens > 0  # noqa: E731
-    assert wait_until(answers, READY_TIMEOUT_S), api.log_path.read_text()[-3000:]
-    front = child_running(proc, "eagle_serve.openai_api")
-    child_running(proc, "/eagle_target/1/model.py").kill()
-    assert wait_until(lambda: get(f"{api.base_url}/health")[0] == 503, 60)
-    assert wait_until(answers, READY_TIMEOUT_S), api.log_path.read_text()[-3000:]
-    assert "restarting tritonserver" in api.log_path.read_text()
-    assert child_running(proc, "eagle_serve.openai_api").pid == front.pid  # the same process throughout
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) is not None
-    assert wait_until(lambda: not front.is_running() or front.status() == psutil.STATUS_ZOMBIE, 30)
 
 
 def test_with_api_keys_set_the_api_answers_401_without_a_key_and_probes_stay_open(tiny, tmp_path):

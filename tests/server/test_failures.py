@@ -1,9 +1,14 @@
-"""Model-process death and shutdown, through the supervised server `make serve` runs."""
+"""Model-process death and shutdown, through the supervised server `make serve` runs, with the
+OpenAI server beside it: it stays the same process through each restart, its /health answers
+503 while tritonserver is down, and SIGTERM ends both."""
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 import warnings
 
 import psutil
@@ -22,9 +27,35 @@ def supervised(tmp_path_factory, tiny_models, triton_server):
     answering; one for the module: each kill test leaves it answering again, and the SIGTERM
     test, last, ends it."""
     triton_server.stop_idle()
-    with serve_tiny(tmp_path_factory.mktemp("supervised"), tiny_models) as proc:
+    with serve_tiny(tmp_path_factory.mktemp("supervised"), tiny_models, openai=True) as proc:
         assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
+        assert wait_until(lambda: openai_chat(proc), 120), proc.log_path.read_text()[-3000:]
+        proc.front = front_process(proc)
         yield proc
+
+
+def openai_status(proc, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON answer) of the OpenAI server's `path`: GET, or POST `body`."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{proc.openai_port}{path}", data,
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        return error.code, {}
+
+
+def openai_chat(proc) -> bool:
+    """The OpenAI server answers a short chat."""
+    status, answer = openai_status(proc, "/v1/chat/completions", {
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    return status == 200 and answer["usage"]["completion_tokens"] > 0
+
+
+def front_process(proc) -> psutil.Process:
+    return next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                if "eagle_serve.openai_api" in " ".join(p.cmdline()))
 
 
 def long_stream(proc, out: dict) -> threading.Thread:
@@ -50,10 +81,14 @@ def kill_during_stream(proc, model: str) -> tuple[object, float, str]:
     thread = long_stream(proc, out)
     killed_at = time.monotonic()
     model_processes(psutil.Process(proc.pid))[model].kill()
+    front_down = wait_until(lambda: openai_status(proc, "/health")[0] == 503, 60, 0.2)
     thread.join(60)
     recovered = wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=4, timeout_s=10).error is None, 180)
     log = proc.log_path.read_text(errors="replace")[start:]
     assert recovered, log[-3000:]
+    assert front_down, "the OpenAI server's /health did not answer 503 while tritonserver was down"
+    assert wait_until(lambda: openai_chat(proc), 60), log[-3000:]
+    assert front_process(proc).pid == proc.front.pid  # the same OpenAI server throughout
     print(f"recovered {time.monotonic() - killed_at:.1f} s after {model} was killed")
     return out["result"], out["at"] - killed_at, log
 
@@ -90,3 +125,5 @@ def test_sigterm_ends_open_streams_with_an_error_and_nothing_hangs(supervised): 
     assert not thread.is_alive() and out["at"] - term_at < 30
     assert out["result"].error is not None or out["result"].finish_reason
     assert supervised.wait(60) is not None
+    front = supervised.front
+    assert wait_until(lambda: not front.is_running() or front.status() == psutil.STATUS_ZOMBIE, 30)

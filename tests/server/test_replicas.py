@@ -1,4 +1,6 @@
-"""`make replicas N=2`: two real servers (the default model) behind the real vllm-router.
+"""`make replicas N=2`: two real servers behind the real vllm-router, on the tiny float64 model
+(SERVE_ARGS=--model-repository=...): what is checked is the routing, the replicas' metrics and
+their restarts, not the model, and the tiny one starts in half the default one's time.
 
 Which replica served a request is read from each replica's own Triton metrics (requests it
 finished), not from the router's account of itself.
@@ -26,11 +28,12 @@ from eagle_serve import paths
 from eagle_serve.server.launch import free_ports
 from eagle_serve.server.processes import find_server
 from eagle_serve.server.replicas import PORT_STEP, Ports
+from eagle_serve.triton_backend.repo_config import copy_repository
 
 pytestmark = pytest.mark.server
 
 READY_TIMEOUT_S = 300.0
-MODEL = paths.DEFAULT_TARGET_NAME
+MODEL = "tiny-llama"  # conftest's tiny_models
 SYSTEM = ("You are the support assistant of the Northwind Trading Company. Answer briefly, "
           "politely and only about orders, shipping, invoices and returns. ") * 12
 
@@ -104,7 +107,7 @@ def until_both_served(replicas: Replicas, before: list[int], timeout_s: float = 
     a miss the router picks the less loaded replica: the one not busy with the pair's first."""
     def pair() -> bool:
         prompts = [f"{next(FIRST_WORDS)} are remarkable because", f"{next(FIRST_WORDS)} matter since"]
-        body = {"model": MODEL, "max_tokens": 24, "ignore_eos": True}
+        body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True}  # the first still runs
         with futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(post, f"http://127.0.0.1:{replicas.router_port}/v1/completions",
                                 body | {"prompt": prompts[0]})
@@ -119,11 +122,16 @@ def until_both_served(replicas: Replicas, before: list[int], timeout_s: float = 
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, triton_server):
-    triton_server.stop_idle()  # two default-model servers of its own
+def replicas(tmp_path_factory, triton_server, tiny_models):
+    triton_server.stop_idle()  # two servers of its own
     ports = port_block()
-    log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
-    env = {**os.environ, **{k: str(v) for k, v in ports.items()}}
+    folder = tmp_path_factory.mktemp("replicas")
+    log_path = folder / "replicas.log"
+    repo = copy_repository(paths.REPO_ROOT / "model_repository", folder / "repo", None, {"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+        "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
+        "num_target_pages": "512", "num_drafter_pages": "512"}})
+    env = {**os.environ, **{k: str(v) for k, v in ports.items()}, "SERVE_ARGS": f"--model-repository={repo}"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(["make", "-s", "replicas", "N=2"], cwd=paths.REPO_ROOT, env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -186,13 +194,13 @@ def test_drain_waits_until_the_running_request_ends(replicas):
     assert drain(metrics_url, 5.0)  # idle
     with futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(post, f"{ports.openai_url}/v1/completions",
-                             {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 160, "ignore_eos": True})
+                             {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True})
         assert wait_until(lambda: in_flight(metrics_url) > 0 or answer.done(), 60, 0.05)
         assert not answer.done(), "the request ended before it was seen running"
         assert not drain(metrics_url, 0.2)  # still running: the timeout ends the wait
         assert drain(metrics_url, 120.0) and in_flight(metrics_url) == 0
         status, body = answer.result()
-    assert status == 200 and body["usage"]["completion_tokens"] == 160
+    assert status == 200 and body["usage"]["completion_tokens"] == 1500
 
 
 def test_after_a_replica_is_killed_new_requests_succeed_and_it_is_taken_back(replicas):
