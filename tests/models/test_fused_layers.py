@@ -70,8 +70,10 @@ def draft_launches(folder, head, monkeypatch, drafts: int) -> int:
                                 draft_call_cost=0.0, draft_step_cost=0.0, draft_min_prob=0.0,
                                 draft_expand_prob=0.0)
     with launches_per_call(engine.drafter, "propose") as counts:
-        engine.generate([list(range(5, 30))], SamplingParams(max_tokens=20, ignore_eos=True, context_lookup=False,
-                                                             num_speculative_tokens=drafts, draft_topk=1))
+        engine.add_request(list(range(5, 14)), SamplingParams(max_tokens=20, ignore_eos=True, context_lookup=False,
+                                                              num_speculative_tokens=drafts, draft_topk=1))
+        while len(counts) < 2:  # the engine's steps until a round's propose call
+            engine.step()
     return counts[1]  # a round's (the first follows the prefill)
 
 
