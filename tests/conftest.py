@@ -82,6 +82,28 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.module not in heavy)
 
 
+# Modules asking for the same servers, each first for the one the module before it asked for
+# last: one xdist work unit each, so that one worker runs them one after the other and its
+# pool starts those servers once. The default model's server takes twice a tiny one's start.
+SHARED_SERVERS = {"default-model": ("tests/bench/test_clients.py", "tests/triton_backend/test_server_e2e.py",
+                                    "tests/triton_backend/test_triton_clients.py"),
+                  "tiny-and-tight": ("tests/openai_api/test_openai_server.py", "tests/server/test_reliability.py")}
+_UNIT = {module: unit for unit, modules in SHARED_SERVERS.items() for module in modules}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, but the modules of each SHARED_SERVERS entry are one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByServer(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return _UNIT.get(file, file)
+    return ByServer(config, log)
+
+
 def servers_used(item) -> list[TritonServer]:
     """Servers a test received directly, else every server of the pool it had access to."""
     values = list(getattr(item, "funcargs", {}).values())

@@ -17,15 +17,6 @@ pytestmark = pytest.mark.server
 PROMPT = "Write a haiku about the sea."
 
 
-def small_cache_server(triton_server, tiny_models):
-    """24 pages of 8 = 192 positions per pool: a burst overflows it many times."""
-    return triton_server("tiny64-small-cache", overrides={"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
-        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "24", "num_drafter_pages": "24", "max_running": "8",
-        "max_model_len": "160", **CHAINS}})
-
-
 BAD = [
     (dict(max_tokens=0), "max_tokens must be >= 1"),
     (dict(max_tokens=5000), "exceeds max_model_len"),  # the tiny model reads 4,096 tokens
@@ -88,23 +79,6 @@ def test_malformed_input_gets_a_clear_error(triton_server, tiny_models, tensors,
     assert good.error is None and good.output_ids
 
 
-def test_a_burst_of_three_times_the_cache_completes_with_solo_outputs(triton_server, tiny_models):
-    server = small_cache_server(triton_server, tiny_models)
-    prompts = [f"Tell me about the number {i}." for i in range(12)]
-    kw = dict(max_tokens=40, ignore_eos=True, stream=True)
-    solo = [grpc_generate(server.grpc_url, p, num_speculative_tokens=i % 4, **kw)
-            for i, p in enumerate(prompts)]
-    with futures.ThreadPoolExecutor(12) as pool:  # ~12 x 70 positions = 4x the 192-position pool
-        burst = list(pool.map(lambda a: grpc_generate(server.grpc_url, a[1], num_speculative_tokens=a[0] % 4, **kw),
-                              enumerate(prompts)))
-    for s, b in zip(solo, burst):
-        assert s.error is None and b.error is None
-        assert b.output_ids == s.output_ids and len(b.output_ids) == 40
-    assert metrics(server.metrics_url)["eagle_preemptions_total"] > 0  # the burst overflowed the cache
-    idle = {'eagle_kv_pages_free{pool="target"}': 24, 'eagle_kv_pages_free{pool="drafter"}': 24}
-    assert wait_for_metrics(server.metrics_url, idle), metrics(server.metrics_url)
-
-
 def tight_server(triton_server, tiny_models):
     """8 pages of 8 = 64 positions, one running request and one waiting: easy to overfill."""
     return triton_server("tiny64-tight", overrides={"spec_decode": {
@@ -160,3 +134,31 @@ def test_a_twenty_second_soak_serves_every_request_and_leaks_nothing(triton_serv
     assert all(v == 0 for v in report["leaked"].values()), report
     assert all(report["model_processes_alive"].values()) and len(report["model_processes_alive"]) >= 3
     assert (tmp_path / "soak.png").stat().st_size > 0
+
+
+# Last: the module's third server (a pool keeps two a module asks for, see triton_pool), after
+# the tiny and tight ones, which test_openai_server, in the same xdist unit, also asks for.
+def small_cache_server(triton_server, tiny_models):
+    """24 pages of 8 = 192 positions per pool: a burst overflows it many times."""
+    return triton_server("tiny64-small-cache", overrides={"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
+        "num_target_pages": "24", "num_drafter_pages": "24", "max_running": "8",
+        "max_model_len": "160", **CHAINS}})
+
+
+def test_a_burst_of_three_times_the_cache_completes_with_solo_outputs(triton_server, tiny_models):
+    server = small_cache_server(triton_server, tiny_models)
+    prompts = [f"Tell me about the number {i}." for i in range(12)]
+    kw = dict(max_tokens=40, ignore_eos=True, stream=True)
+    solo = [grpc_generate(server.grpc_url, p, num_speculative_tokens=i % 4, **kw)
+            for i, p in enumerate(prompts)]
+    with futures.ThreadPoolExecutor(12) as pool:  # ~12 x 70 positions = 4x the 192-position pool
+        burst = list(pool.map(lambda a: grpc_generate(server.grpc_url, a[1], num_speculative_tokens=a[0] % 4, **kw),
+                              enumerate(prompts)))
+    for s, b in zip(solo, burst):
+        assert s.error is None and b.error is None
+        assert b.output_ids == s.output_ids and len(b.output_ids) == 40
+    assert metrics(server.metrics_url)["eagle_preemptions_total"] > 0  # the burst overflowed the cache
+    idle = {'eagle_kv_pages_free{pool="target"}': 24, 'eagle_kv_pages_free{pool="drafter"}': 24}
+    assert wait_for_metrics(server.metrics_url, idle), metrics(server.metrics_url)
