@@ -123,11 +123,11 @@ def wait_for_metrics(url: str, expected: dict[str, float], deadline_s: float = 3
     return False
 
 
-def test_a_twenty_second_soak_serves_every_request_and_leaks_nothing(triton_server, tiny_models, tmp_path):
+def test_a_ten_second_soak_serves_every_request_and_leaks_nothing(triton_server, tiny_models, tmp_path):
     """The CI-sized version of `python -m eagle_serve.tools.soak` (README: the 10-minute run)."""
     server = tiny_server(triton_server, tiny_models, "eagle3")
     report = run_soak("localhost", server.grpc_port, server.metrics_port, server.process.pid,
-                      duration_s=20, users=4, out=tmp_path, log=lambda _: None)
+                      duration_s=10, users=4, out=tmp_path, log=lambda _: None)
     requests = report["requests"]
     assert requests["stream"]["count"] > 10, requests
     assert all(v["failures"] == 0 for v in requests.values()), (requests, (tmp_path / "locust.log").read_text()[-3000:])
