@@ -57,23 +57,27 @@ def test_oracle_drafts_are_mostly_accepted_and_output_stays_exact(tiny_target, p
     assert engine.idle_counts()["target_pages_free"] == 256
 
 
+@pytest.fixture(scope="module")
+def bf16_plain(tiny_target, prompts) -> list[list[int]]:
+    """bf16 plain decoding, one request at a time."""
+    engine = tiny_engine(tiny_target, None, dtype="bfloat16", max_running=1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=0)
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("shape", [dict(num_speculative_tokens=2), dict(num_speculative_tokens=5),
                                    dict(num_speculative_tokens=6, draft_topk=2, draft_depth=3)])
 @pytest.mark.parametrize("max_running", [1, 3])
 def test_bf16_verify_passes_reproduce_one_token_decoding_bitwise(tiny_target, eagle3_head, prompts,
-                                                                 shape, max_running):
+                                                                 bf16_plain, shape, max_running):
     """bf16 CPU linears (padded single rows) and attention (one query at a time) are
     row-invariant, so bf16 speculative decoding is exactly bf16 plain decoding (one request at a
     time), in any batch, for chains and trees."""
-    def run(head, **params):
-        engine = tiny_engine(tiny_target, head, dtype="bfloat16",
-                             max_running=max_running if head else 1)
-        return engine, [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **params))]
-
-    _, plain = run(None, num_speculative_tokens=0)
-    engine, spec = run(eagle3_head, **shape)
+    plain = bf16_plain
+    engine = tiny_engine(tiny_target, eagle3_head, dtype="bfloat16", max_running=max_running)
+    spec = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **shape))]
     assert spec == plain
-    oracle_engine, _ = run(None, num_speculative_tokens=0)
+    oracle_engine = tiny_engine(tiny_target, None, dtype="bfloat16", max_running=max_running)
     oracle_engine.drafter = OracleDrafter([p + e for p, e in zip(prompts, plain)], oracle_engine.target.vocab_size)
     results = oracle_engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **shape))
     assert [r.token_ids for r in results] == plain
