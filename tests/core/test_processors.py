@@ -36,14 +36,27 @@ def greedy(k=0, **kw):
     return SamplingParams(max_tokens=MAX_TOKENS, num_speculative_tokens=k, **kw)
 
 
+@pytest.fixture(scope="module")
+def processed(tiny_target, prompts, unprocessed):
+    """case -> plain greedy decoding with that case's processors (each decoded once)."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(case: str) -> list[list[int]]:
+        if case not in cache:
+            kw = processor_cases(unprocessed[0])[case]
+            cache[case] = [r.token_ids for r in tiny_engine(tiny_target).generate(prompts, greedy(**kw))]
+        return cache[case]
+    return get
+
+
 CASES = ["repetition", "frequency+presence", "logit_bias", "stop_token_ids", "min_tokens+stop_token_ids"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_each_processor_gives_speculative_greedy_output_equal_to_plain(tiny_target, eagle1_head, prompts,
-                                                                       unprocessed, case):
+                                                                       unprocessed, processed, case):
     kw = processor_cases(unprocessed[0])[case]
-    plain = [r.token_ids for r in tiny_engine(tiny_target).generate(prompts, greedy(**kw))]
+    plain = processed(case)
     assert plain[0] != unprocessed[0]  # the processor acts
     engine = tiny_engine(tiny_target, eagle1_head, max_running=3)
     for shape in (dict(k=4), dict(k=6, draft_topk=2, draft_depth=3)):
@@ -53,11 +66,11 @@ def test_each_processor_gives_speculative_greedy_output_equal_to_plain(tiny_targ
 
 @pytest.mark.parametrize("oracle", ["chain", "tree"])
 @pytest.mark.parametrize("case", ["repetition", "frequency+presence"])
-def test_penalties_see_the_drafts_before_each_row(tiny_target, prompts, unprocessed, case, oracle):
+def test_penalties_see_the_drafts_before_each_row(tiny_target, prompts, unprocessed, processed, case, oracle):
     """Drafts that are mostly right get long runs accepted, each row penalising the drafts
     before it: exact only if every row sees its own path."""
     kw = processor_cases(unprocessed[0])[case]
-    expected = [r.token_ids for r in tiny_engine(tiny_target).generate(prompts, greedy(**kw))]
+    expected = processed(case)
     engine = tiny_engine(tiny_target, max_running=4)
     sequences = [p + e for p, e in zip(prompts, expected)]
     if oracle == "tree":
