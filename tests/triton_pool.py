@@ -7,11 +7,14 @@ group, so closing it also ends the Python backend stubs it spawned.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -132,6 +135,29 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float =
             pass
         time.sleep(every_s)
     return False
+
+
+def get(url: str, timeout: float = 10) -> tuple[int, str]:
+    """(status, text) of a GET, an HTTP error's too."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    """(status, JSON answer) of a JSON POST; an HTTP error's JSON body, else {"error": its text}."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        text = error.read().decode()
+        try:
+            return error.code, json.loads(text)
+        except json.JSONDecodeError:
+            return error.code, {"error": text}
 
 
 @contextmanager

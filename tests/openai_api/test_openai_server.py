@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 from test_reliability import tight_server
-from triton_pool import tiny_server
+from triton_pool import get, post_json, tiny_server
 from triton_pool import wait_until as server_wait_until
 
 from eagle_serve.client import grpc_generate, metrics
@@ -55,14 +55,6 @@ class OpenAIServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         self.process.wait()
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 def wait_until(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
@@ -320,15 +312,6 @@ def test_with_api_keys_set_the_api_answers_401_without_a_key_and_probes_stay_ope
         assert get(f"{keyed.base_url}/metrics")[0] == 200
     finally:
         keyed.stop()
-
-
-def post_json(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def test_render_and_tokenize_give_the_prompt_ids_a_request_runs_on(api, tokenizer):

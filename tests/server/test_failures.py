@@ -3,17 +3,14 @@ OpenAI server beside it: it stays the same process through each restart, its /he
 503 while tritonserver is down, and SIGTERM ends both."""
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 import warnings
 
 import psutil
 import pytest
-from triton_pool import serve_tiny, wait_until
+from triton_pool import get, post_json, serve_tiny, wait_until
 
 from eagle_serve.client import grpc_generate, http_generate
 from eagle_serve.server.processes import model_processes
@@ -34,22 +31,10 @@ def supervised(tmp_path_factory, tiny_models, triton_server):
         yield proc
 
 
-def openai_status(proc, path: str, body: dict | None = None) -> tuple[int, dict]:
-    """(status, JSON answer) of the OpenAI server's `path`: GET, or POST `body`."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{proc.openai_port}{path}", data,
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError as error:
-        return error.code, {}
-
-
 def openai_chat(proc) -> bool:
     """The OpenAI server answers a short chat."""
-    status, answer = openai_status(proc, "/v1/chat/completions", {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    status, answer = post_json(f"http://127.0.0.1:{proc.openai_port}/v1/chat/completions", {
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, timeout=30)
     return status == 200 and answer["usage"]["completion_tokens"] > 0
 
 
@@ -81,7 +66,7 @@ def kill_during_stream(proc, model: str) -> tuple[object, float, str]:
     thread = long_stream(proc, out)
     killed_at = time.monotonic()
     model_processes(psutil.Process(proc.pid))[model].kill()
-    front_down = wait_until(lambda: openai_status(proc, "/health")[0] == 503, 60, 0.2)
+    front_down = wait_until(lambda: get(f"http://127.0.0.1:{proc.openai_port}/health")[0] == 503, 60, 0.2)
     thread.join(60)
     recovered = wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=4, timeout_s=10).error is None, 180)
     log = proc.log_path.read_text(errors="replace")[start:]

@@ -8,21 +8,17 @@ finished), not from the router's account of itself.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_openai_server import get
-from triton_pool import wait_until
+from triton_pool import get, post_json, wait_until
 
 from eagle_serve import paths
 from eagle_serve.server.launch import free_ports
@@ -75,15 +71,6 @@ def free_ports_set(ports: list[int]) -> set[int]:
     return free
 
 
-def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, {"error": error.read().decode()}
-
-
 def served(ports: Ports) -> int:
     """Requests this replica finished, by its own Triton metrics."""
     _, text = get(f"http://127.0.0.1:{ports.metrics}/metrics")
@@ -92,7 +79,7 @@ def served(ports: Ports) -> int:
 
 def chat(replicas: Replicas, question: str, system: str = SYSTEM, max_tokens: int = 8) -> tuple[int, dict]:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    return post(f"http://127.0.0.1:{replicas.router_port}/v1/chat/completions",
+    return post_json(f"http://127.0.0.1:{replicas.router_port}/v1/chat/completions",
                 {"model": MODEL, "messages": messages, "max_tokens": max_tokens})
 
 
@@ -109,10 +96,10 @@ def until_both_served(replicas: Replicas, before: list[int], timeout_s: float = 
         prompts = [f"{next(FIRST_WORDS)} are remarkable because", f"{next(FIRST_WORDS)} matter since"]
         body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True}  # the first still runs
         with futures.ThreadPoolExecutor(2) as pool:
-            first = pool.submit(post, f"http://127.0.0.1:{replicas.router_port}/v1/completions",
+            first = pool.submit(post_json, f"http://127.0.0.1:{replicas.router_port}/v1/completions",
                                 body | {"prompt": prompts[0]})
             time.sleep(0.2)
-            second = pool.submit(post, f"http://127.0.0.1:{replicas.router_port}/v1/completions",
+            second = pool.submit(post_json, f"http://127.0.0.1:{replicas.router_port}/v1/completions",
                                  body | {"prompt": prompts[1]})
             answers = [first.result(), second.result()]
         assert all(status == 200 for status, _ in answers), answers
@@ -155,7 +142,7 @@ def replicas(tmp_path_factory, triton_server, tiny_models):
 
 def test_both_replicas_serve_and_the_router_sends_concurrent_distinct_prompts_to_both(replicas):
     for ports in replicas.ports:
-        status, body = post(f"{ports.openai_url}/v1/completions",
+        status, body = post_json(f"{ports.openai_url}/v1/completions",
                             {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4})
         assert status == 200 and body["choices"][0]["text"], body
     before = [served(p) for p in replicas.ports]
@@ -193,7 +180,7 @@ def test_drain_waits_until_the_running_request_ends(replicas):
     metrics_url = f"127.0.0.1:{ports.metrics}"
     assert drain(metrics_url, 5.0)  # idle
     with futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(post, f"{ports.openai_url}/v1/completions",
+        answer = pool.submit(post_json, f"{ports.openai_url}/v1/completions",
                              {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True})
         assert wait_until(lambda: in_flight(metrics_url) > 0 or answer.done(), 60, 0.05)
         assert not answer.done(), "the request ended before it was seen running"
