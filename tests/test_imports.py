@@ -1,5 +1,5 @@
 """Import directions: the packages are layers (a lower one imports nothing of a higher one, the
-kernels nothing else of eagle_serve), no cycle among the modules' top-level imports, and what
+kernels nothing else of eagle_serve but the CPU's flags), no cycle among the modules' top-level imports, and what
 runs without a model (the tokenizer-only Triton models, the clients, the processes around the
 server) imports no torch."""
 from __future__ import annotations
@@ -15,14 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"eagle_serve": ROOT / "src" / "eagle_serve"}
 # eagle_serve's packages and top-level modules, lowest first: each imports only from its own
 # layer and those below it (the engine's core and its speculation use each other)
-LAYERS = [("paths", "settings"), ("kernels",), ("cpu",), ("core", "spec"), ("models",),
+LAYERS = [("paths", "settings", "machine"), ("kernels",), ("cpu",), ("core", "spec"), ("models",),
           ("engine", "local", "client", "testing"), ("triton_backend",), ("server",),
           ("openai_api", "bench", "tools", "train", "__main__")]
 TOKENIZER_ONLY = ["model_repository/preprocess/1/model.py", "model_repository/postprocess/1/model.py"]
 TORCH_FREE = ["eagle_serve.settings", "eagle_serve.core.tokenization", "eagle_serve.triton_backend.io", "eagle_serve.triton_backend.client_request",
               "eagle_serve.client", "eagle_serve.paths", "eagle_serve.core.requests",
               "eagle_serve.server.serve", "eagle_serve.server.supervisor", "eagle_serve.server.health",
-              "eagle_serve.server.processes", "eagle_serve.openai_api.server", "eagle_serve.server.replicas"]
+              "eagle_serve.server.processes", "eagle_serve.openai_api.server", "eagle_serve.server.replicas",
+              "eagle_serve.machine", "eagle_serve.models.dtypes", "eagle_serve.triton_backend.features"]
 
 
 def module_files() -> dict[str, Path]:
@@ -124,9 +125,11 @@ def test_no_module_imports_itself_back_through_others():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_the_kernels_import_nothing_else_of_eagle_serve():
+def test_the_kernels_import_nothing_else_of_eagle_serve_but_the_cpu_flags():
+    """(eagle_serve.machine: the standard library alone)"""
     kernels = {name: path for name, path in module_files().items() if name.startswith("eagle_serve.kernels")}
-    upward = {m: sorted(i for i in every_import(path) if not i.startswith("eagle_serve.kernels"))
+    upward = {m: sorted(i for i in every_import(path)
+                        if not i.startswith("eagle_serve.kernels") and i != "eagle_serve.machine")
               for m, path in kernels.items()}
     assert not any(upward.values()), upward
 

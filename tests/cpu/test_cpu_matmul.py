@@ -12,7 +12,8 @@ from torch.utils.cpp_extension import is_ninja_available
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.cpu.matmul import CpuLinear, fuse_linears, onednn_bf16
-from eagle_serve.kernels.cpu import cpu_flags, cpu_kernels
+from eagle_serve.kernels.cpu import cpu_kernels
+from eagle_serve.machine import cpu_flags
 from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.models.target import TargetModel
 from eagle_serve.testing import other_thread_count

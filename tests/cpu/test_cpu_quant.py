@@ -162,7 +162,7 @@ def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_
     AMX (checkpoints.torch_dtype); dense weights keep bf16 where the CPU computes it natively."""
     from safetensors.torch import save_file
 
-    from eagle_serve.cpu import matmul as cpu_matmul
+    from eagle_serve import machine
     from eagle_serve.models.dtypes import torch_dtype
 
     folders = {}
@@ -172,7 +172,7 @@ def test_auto_runs_float32_for_a_target_of_gguf_blocks_where_bf16_is_native_and_
         save_file({"model.embed_tokens.weight": torch.randn(8, 64),
                    "model.layers.0.self_attn.q_proj.weight": weight}, folders[name] / "model.safetensors")
     for native in (True, False):
-        monkeypatch.setattr(cpu_matmul, "native_bf16", lambda: native)
+        monkeypatch.setattr(machine, "native_bf16", lambda: native)
         assert torch_dtype("auto", False, folders["blocks"]) == torch.float32
         assert torch_dtype("auto", False, folders["dense"]) == (torch.bfloat16 if native else torch.float32)
         assert torch_dtype("auto", True, folders["blocks"]) == torch.bfloat16

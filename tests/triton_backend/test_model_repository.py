@@ -8,7 +8,6 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from eagle_serve import paths
-from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.settings import ServingSettings, read_settings, setting_names
 
 REPO = paths.REPO_ROOT / "model_repository"
@@ -167,10 +166,11 @@ def auto_complete(model: str, config_file: str, repo=REPO) -> dict:
 
 
 def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_drafter(tmp_path):
+    from eagle_serve.models.dtypes import dtype_name
     from eagle_serve.triton_backend.features import TRITON_TYPES
     from eagle_serve.triton_backend.repo_config import copy_repository
 
-    cpu_auto = TRITON_TYPES[torch_dtype("auto", False, paths.default_target_dir())]
+    cpu_auto = TRITON_TYPES[dtype_name("auto", False, paths.default_target_dir())]
     for config_file, want in (("config.pbtxt", cpu_auto), ("configs/gpu.pbtxt", "TYPE_BF16")):
         assert auto_complete("eagle_target", config_file)["hidden"] == want
         assert auto_complete("eagle_drafter", config_file)["features"] == want
@@ -180,6 +180,30 @@ def test_the_features_cross_bls_in_the_model_dtype_declared_alike_by_target_and_
     assert auto_complete("eagle_drafter", "config.pbtxt", repo)["features"] == "TYPE_FP64"
     with pytest.raises(ValueError, match="float64 runs on CPU instances only"):
         auto_complete("eagle_drafter", "configs/gpu.pbtxt", repo)
+
+
+def test_auto_complete_imports_no_torch_where_the_dtype_is_named(tmp_path):
+    """Triton runs each model's auto_complete_config in a process of its own at every start:
+    with the dtype named, neither it nor any model.py's imports pay for torch."""
+    import subprocess
+
+    from eagle_serve.triton_backend.repo_config import copy_repository
+
+    repo = copy_repository(REPO, tmp_path / "repo", ["spec_decode", "eagle_target", "eagle_drafter"],
+                           {"spec_decode": {"dtype": "float64"}})
+    script = f"""
+import sys, types
+sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+import importlib.util
+for model in ("eagle_target", "eagle_drafter", "spec_decode"):
+    spec = importlib.util.spec_from_file_location(model, {str(repo)!r} + f"/{{model}}/1/model.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+from eagle_serve.triton_backend.features import feature_type
+assert feature_type({{}}, __import__("pathlib").Path({str(repo)!r})) == "TYPE_FP64"
+assert "torch" not in sys.modules and "transformers" not in sys.modules, "torch imported"
+"""
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr[-2000:]
 
 
 def test_a_worker_refuses_to_load_without_the_features_its_auto_complete_declares():

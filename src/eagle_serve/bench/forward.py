@@ -33,10 +33,11 @@ from torch import nn
 
 from eagle_serve import paths
 from eagle_serve.bench.profile import decode_batch
-from eagle_serve.cpu.matmul import CpuLinear, native_bf16, onednn_bf16
+from eagle_serve.cpu.matmul import CpuLinear, onednn_bf16
 from eagle_serve.cpu.quant import block_form, int8_activations_run
 from eagle_serve.kernels import cpu as cpu_module
 from eagle_serve.kernels.cpu import amx_tiles, build, cpu_kernels, without_amx_tiles
+from eagle_serve.machine import native_bf16
 from eagle_serve.models import cpu_stack
 from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.models.target import TargetModel

@@ -45,18 +45,12 @@ import torch
 from torch import nn
 
 from eagle_serve.cpu.quant import BlockWeight, block_form, round_to_q8_0
-from eagle_serve.kernels.cpu import cpu_flags, cpu_kernels
+from eagle_serve.kernels.cpu import cpu_kernels
 
 # The row count oneDNN lays packed weights out for. fp32 packed for 1 row (or dense) runs 2+ rows
 # on a slow kernel (on an AVX2 CPU the linears of 2 rows cost 1.6x one's); packed for 8, 2 rows
 # cost 1.03x and 16 rows 2.2x. bf16 keeps the layout its row-invariance was tested with.
 PACK_ROWS = {torch.float32: 8, torch.bfloat16: 2}
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): then bf16 is the faster
-    CPU dtype (see above); elsewhere oneDNN emulates it and fp32 is faster."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def _onednn_ok() -> bool:

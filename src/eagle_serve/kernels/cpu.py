@@ -28,13 +28,7 @@ from pathlib import Path
 
 import torch
 
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
-    try:
-        return set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
+from eagle_serve.machine import cpu_flags
 
 
 def wide_linears() -> bool:
