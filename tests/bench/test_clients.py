@@ -147,12 +147,12 @@ def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(tr
                for lo, hi in [results[c]["speedup_interval"]])
     assert all(results[c]["same_as_first"] == 2 for c in ("default", "hf"))  # float64: HF's tokens
     assert re.search(r"hf: +[0-9.]+ tok/s", got.stdout)
-    refused = run([sys.executable, "-m", "eagle_serve", "bench", "serve", "--prompts", str(prompts), "--configs",
-                   "0", "hf", "--concurrency", "2", "--url", server.grpc_url, "--json", str(out)])
-    assert refused.returncode != 0 and "one stream" in refused.stderr
-    lone_mixed = run([sys.executable, "-m", "eagle_serve", "bench", "serve", "--prompts", str(prompts), "--mixed",
-                      "--temperature", "0.7", "--url", server.grpc_url, "--json", str(out)])
-    assert lone_mixed.returncode != 0 and "--concurrency 2 or more" in lone_mixed.stderr
+    from eagle_serve.bench.serve import main  # the refusals in process: the command line above
+
+    for args, message in ((["--configs", "0", "hf", "--concurrency", "2"], "one stream"),
+                          (["--mixed", "--temperature", "0.7"], "--concurrency 2 or more")):
+        with pytest.raises(SystemExit, match=message):
+            main(["--prompts", str(prompts), "--url", server.grpc_url, "--json", str(out), *args])
 
 
 def test_speedup_interval_resamples_the_groups_paired_across_configs():
@@ -193,10 +193,11 @@ def test_speculation_ceiling_bounds_chains_by_the_forwards_cost_of_their_rows():
 
 
 def test_speculation_ceiling_times_the_default_targets_served_forward(tmp_path):
-    out = run([sys.executable, "-m", "eagle_serve", "bench", "ceiling", "--streams", "1", "2", "--drafts", "0", "1",
-               "--repeats", "1", "--speedups", "1.1", "--json", str(tmp_path / "c.json"),
-               "--plot", str(tmp_path / "c.png")])
-    assert out.returncode == 0, out.stderr
+    """(in this process: `eagle-serve bench ceiling` with these arguments)"""
+    from eagle_serve.bench.ceiling import main
+
+    main(["--streams", "1", "2", "--drafts", "0", "1", "--repeats", "1", "--speedups", "1.1",
+          "--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")])
     report = json.loads((tmp_path / "c.json").read_text())
     assert {(f["streams"], f["drafts"]) for f in report["forward_ms"]} == {(1, 0), (1, 1), (2, 0), (2, 1)}
     assert all(f["ms"] > 0 for f in report["forward_ms"])
@@ -248,8 +249,8 @@ def locust_run(tmp_path: Path, server, seconds: int, *user_classes: str):
 
 
 @pytest.mark.server
-def test_locust_default_user_posts_generate_for_15_seconds_without_failures(triton_server, tmp_path):
-    got, rows = locust_run(tmp_path, default_server(triton_server), 15)
+def test_locust_default_user_posts_generate_for_5_seconds_without_failures(triton_server, tmp_path):
+    got, rows = locust_run(tmp_path, default_server(triton_server), 5)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     assert set(rows) == {("POST", "/generate"), ("", "Aggregated")}  # the HTTP user only
     assert int(rows["", "Aggregated"]["Request Count"]) > 0
@@ -260,7 +261,7 @@ def test_locust_default_user_posts_generate_for_15_seconds_without_failures(trit
 @pytest.mark.server
 def test_locust_grpc_stream_user_reports_ttft_and_inter_token_latency(triton_server, tiny_models,
                                                                       tmp_path):
-    got, rows = locust_run(tmp_path, tiny_server(triton_server, tiny_models, "eagle3"), 6,
+    got, rows = locust_run(tmp_path, tiny_server(triton_server, tiny_models, "eagle3"), 4,
                            "GrpcStreamUser")
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     names = {name for kind, name in rows if kind == "grpc"}
@@ -306,22 +307,29 @@ def test_compose_serves_the_gpu_configs_on_one_reserved_gpu():
 
 
 def drafter_ab(tiny_models, tmp_path: Path, prompts: list[str], max_tokens: int, *args: str,
-               drafters: tuple[str, ...] = ("eagle3",)) -> subprocess.CompletedProcess:
-    """eagle-serve bench engine on the tiny target and these tiny drafters, over these prompts."""
-    return run([sys.executable, "-m", "eagle_serve", "bench", "engine", "--prompts", str(prompts_file(tmp_path, prompts)), "--max-tokens", str(max_tokens),
-                "--target", str(tiny_models["target"]), "--drafters", *(str(tiny_models[d]) for d in drafters),
-                *args])
+               drafters: tuple[str, ...] = ("eagle3",), capsys=None) -> str:
+    """The stdout of eagle-serve bench engine on the tiny target and these tiny drafters, over these
+    prompts: as a user runs it, or with `capsys` in this process."""
+    argv = ["--prompts", str(prompts_file(tmp_path, prompts)), "--max-tokens", str(max_tokens),
+            "--target", str(tiny_models["target"]), "--drafters", *(str(tiny_models[d]) for d in drafters), *args]
+    if capsys is not None:
+        from eagle_serve.bench.engine import main
+        main(argv)
+        return capsys.readouterr().out
+    got = run([sys.executable, "-m", "eagle_serve", "bench", "engine", *argv])
+    assert got.returncode == 0, got.stderr
+    return got.stdout
 
 
 @pytest.mark.parametrize("concurrency", ["1", "2"])
 def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_decoding(
-        tiny_models, tmp_path, concurrency):
+        tiny_models, tmp_path, capsys, concurrency):
+    """(the batched run with every option as a user runs it, the single stream in this process)"""
     out = drafter_ab(tiny_models, tmp_path, ["Hello there", "Count to five"], 12, "--concurrency", concurrency,
                      *["--every-logit", "--kernels-from", "HEAD", "--fma-kernels",
                        "--policy", "max_draft_batch=1", "lookup_tokens=0"] * (concurrency == "2"),
-                     drafters=("eagle3", "eagle1"))
-    assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
+                     drafters=("eagle3", "eagle1"), capsys=capsys if concurrency == "1" else None)
+    lines = [line for line in out.splitlines() if "tokens/s" in line]
     names = ["plain", str(tiny_models["eagle3"]), str(tiny_models["eagle1"])]
     names += ["plain, every logit", f"{tiny_models['eagle3']}, every logit",
               "plain, kernels of HEAD", f"{tiny_models['eagle3']}, kernels of HEAD",
@@ -333,11 +341,10 @@ def test_drafter_ab_compares_drafters_in_process_with_output_equal_to_plain_deco
 
 @pytest.mark.parametrize("concurrency", ["1", "2"])
 def test_drafter_ab_samples_each_prompt_with_its_own_seed_so_every_config_equals_plain_sampling(
-        tiny_models, tmp_path, concurrency):
+        tiny_models, tmp_path, capsys, concurrency):
     out = drafter_ab(tiny_models, tmp_path, ["Hello there", "Count to five", "Why?"], 12, "--temperature", "0.9",
-                     "--concurrency", concurrency, "--policy", "sampled_lookup_tokens=0")
-    assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if "tokens/s" in line]
+                     "--concurrency", concurrency, "--policy", "sampled_lookup_tokens=0", capsys=capsys)
+    lines = [line for line in out.splitlines() if "tokens/s" in line]
     assert len(lines) == 3
     assert all(line.endswith("output = its plain decoding's 3/3") for line in lines)
 

@@ -159,7 +159,7 @@ def plot(times, out_path: str, overhead: float, draft_ms: float) -> None:
     fig.savefig(out_path, dpi=110)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -173,7 +173,7 @@ def main() -> None:
                         help="also print the least acceptance each concurrency needs to reach these")
     parser.add_argument("--json")
     parser.add_argument("--plot", help="a PNG of the bound by drafts (the last --overhead-ms)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if 0 not in args.drafts:
         parser.error("--drafts must hold 0 (plain decoding, the base)")
     drafts = sorted(set(args.drafts))
