@@ -1,14 +1,14 @@
-"""Every kernel variant the launchers can pick compiles for sm_80 (A100) and sm_90 (H100), no
-GPU needed: catches what the interpreter lets by (loop-carried types, dot shapes, casts), all of
-which Triton checks on its way to PTX. One variant of each kernel per dtype goes on through
-Triton's bundled ptxas to a cubin (which catches instructions the architecture lacks) for those
-two and for sm_75 (T4: float16 and float32, no bfloat16), sm_86 (A10, RTX 30), sm_89 (L4,
-L40S) and sm_100 (B200). The variants are those eagle_serve/kernels/warmup.py enumerates
-(through the launchers' own tile functions) for two served shapes: SmolLM2-135M (9 q / 3 kv
-heads, head_dim 64) and a Llama-3.1-8B (32 / 8, head_dim 128), in bfloat16 and float32 (the two
-attention precisions), with float16 spot checks. The Triton version must be the GPU image's
-(requirements-gpu.txt). Runs in a subprocess, since the test process's triton was imported with
-TRITON_INTERPRET=1."""
+"""Every kernel variant the launchers can pick compiles for sm_90 (H100), and for sm_80 (A100)
+where the two lower it differently, no GPU needed: catches what the interpreter lets by
+(loop-carried types, dot shapes, casts), all of which Triton checks on its way to PTX. One variant
+of each kernel per dtype goes on through Triton's bundled ptxas to a cubin (which catches
+instructions the architecture lacks) for those two and for sm_75 (T4: float16 and float32, no
+bfloat16), sm_86 (A10, RTX 30), sm_89 (L4, L40S) and sm_100 (B200). The variants are those
+eagle_serve/kernels/warmup.py enumerates (through the launchers' own tile functions) for two
+served shapes: SmolLM2-135M (9 q / 3 kv heads, head_dim 64) and a Llama-3.1-8B (32 / 8, head_dim
+128), in bfloat16 and float32 (the two attention precisions), with float16 spot checks. The Triton
+version must be the GPU image's (requirements-gpu.txt). Runs in a subprocess, since the test
+process's triton was imported with TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import itertools
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 I32, I64, F32 = "i32", "*i64", "*fp32"
-TARGETS = (80, 90)  # every variant to PTX
+TARGETS = (80, 90)  # variants to PTX (`on_targets`)
 SPOT_TARGETS = (75, 86, 89, 100)  # one variant per kernel and dtype (those also on TARGETS) to a cubin
 MODELS = {"SmolLM2-135M": dict(q_heads=9, kv_heads=3, head_dim=64, page_size=16, hidden=576, inter=1536),
           "Llama-3.1-8B": dict(q_heads=32, kv_heads=8, head_dim=128, page_size=16, hidden=4096, inter=14336)}
@@ -92,16 +92,25 @@ def specs():
     return found
 
 
+def tensor_core_dots(spec) -> bool:
+    """Whether a variant's dots run on tensor cores, which sm_80 (mma) and sm_90 (wgmma) lower
+    differently: attention in bfloat16 or float16. The other kernels have no dot, and float32
+    attention's ieee dots become the same FMAs on both."""
+    kernel, types, _ = spec
+    return kernel.__name__ == "_paged_attention_kernel" and types[0] != "*fp32"
+
+
 def jobs() -> list[tuple[int, tuple, bool]]:
-    """(GPU architecture, spec, to a cubin): every variant for TARGETS, the first variant of each
-    kernel and dtype to a cubin on all six (bfloat16 not on sm_75, which lacks it: float16 is
-    served there)."""
+    """(GPU architecture, spec, to a cubin): every variant for sm_90 and those with tensor-core
+    dots for sm_80 too, the first variant of each kernel and dtype to a cubin on all six
+    (bfloat16 not on sm_75, which lacks it: float16 is served there)."""
     every = list(specs().values())
     spot = {}
     for spec in every:
         spot.setdefault((spec[0].__name__, spec[1][0]), spec)
     spot_ids = {id(spec) for spec in spot.values()}
-    return [(arch, spec, id(spec) in spot_ids) for arch in TARGETS for spec in every] + [
+    return [(arch, spec, id(spec) in spot_ids) for arch in TARGETS for spec in every
+            if arch == 90 or id(spec) in spot_ids or tensor_core_dots(spec)] + [
         (arch, spec, True) for arch in SPOT_TARGETS for spec in spot.values()
         if not (arch == 75 and any("bf16" in t for t in spec[1]))]
 
@@ -181,8 +190,8 @@ def test_every_kernel_variant_compiles_for_six_gpu_architectures(tmp_path):
         assert run.returncode == 0, out[-2000:] + err[-4000:]
     assert sum(out.count("compiled") for out, _ in outputs) == len(jobs())
     assert {arch for arch, _, binary in jobs() if binary} == {75, 80, 86, 89, 90, 100}
-    print(f"{len(specs())} variants x {len(TARGETS)} GPU targets and "
-          f"{sum(binary for *_, binary in jobs())} cubins compiled")
+    print(f"{len(specs())} variants, {len(jobs())} compiled, "
+          f"{sum(binary for *_, binary in jobs())} of them to cubins")
 
 
 if __name__ == "__main__":
