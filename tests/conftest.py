@@ -61,9 +61,12 @@ def triton_server(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def _servers_know_the_module(request):
-    """The pool keeps the servers the running module asked for (autouse: set before the
-    module's own fixtures ask)."""
-    request.getfixturevalue("triton_server").module = request.module.__name__
+    """The pool keeps the servers the running module asked for, and through a SHARED_SERVERS
+    unit those its modules all ask for (autouse: set before the module's own fixtures ask)."""
+    pool = request.getfixturevalue("triton_server")
+    pool.module = request.module.__name__
+    pool.keep = KEEP_LIVE.get(_UNIT.get(request.node.nodeid), set())
+    pool.max_module = 2 + len(pool.keep)
 
 
 @pytest.fixture
@@ -73,13 +76,14 @@ def no_idle_servers(triton_server):
 
 
 def pytest_collection_modifyitems(items):
-    """Modules with `server` or `slow` tests first (in their order, each kept whole). xdist's
-    loadfile then hands out modules by their number of tests, this order breaking ties;
-    handing them out in this order (--no-loadscope-reorder) ran both workers' servers at once
-    and took memory to within 1.4 GB of the 24 GiB."""
+    """Modules with `server` or `slow` tests first (in their order, each kept whole), the
+    modules of a SHARED_SERVERS unit in the unit's order. xdist's loadfile then hands out
+    modules (units) by their number of tests, this order breaking ties; handing them out in
+    this order (--no-loadscope-reorder) ran both workers' servers at once and took memory to
+    within 1.4 GB of the 24 GiB."""
     heavy = {item.module for item in items
              if item.get_closest_marker("server") or item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module not in heavy)
+    items.sort(key=lambda item: (item.module not in heavy, _IN_UNIT.get(item.nodeid.split("::")[0], 0)))
 
 
 # Modules asking for the same servers, each first for the one the module before it asked for
@@ -87,8 +91,13 @@ def pytest_collection_modifyitems(items):
 # pool starts those servers once. The default model's server takes twice a tiny one's start.
 SHARED_SERVERS = {"default-model": ("tests/bench/test_clients.py", "tests/triton_backend/test_server_e2e.py",
                                     "tests/triton_backend/test_triton_clients.py"),
-                  "tiny-and-tight": ("tests/openai_api/test_openai_server.py", "tests/server/test_reliability.py")}
+                  "tiny-and-tight": ("tests/openai_api/test_openai_server.py", "tests/server/test_reliability.py",
+                                     "tests/server/test_hardening.py")}  # last: its hang tests end their servers
+# Servers every module of a unit asks for: kept live through it, beside two others (the
+# default model's ~3 GB with two tiny ones' ~1.8 GB each)
+KEEP_LIVE = {"default-model": {"default"}}
 _UNIT = {module: unit for unit, modules in SHARED_SERVERS.items() for module in modules}
+_IN_UNIT = {module: i for modules in SHARED_SERVERS.values() for i, module in enumerate(modules)}
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -32,12 +32,14 @@ class ServerPool:
     beyond `max_live - 1`, the one asked for longest ago first, but of those the running test
     module asked for (`module`, kept by conftest) only beyond `max_module - 1`, so that a module
     alternating between two servers starts each once; asked for again later, a server starts
-    again. A module holding a server in a fixture asks for at most `max_module`."""
+    again. A module holding a server in a fixture asks for at most `max_module`. Servers named
+    in `keep` (conftest: those every module of a run of modules asks for) are stopped last."""
 
     def __init__(self, workdir: Path, max_live: int = 1, max_module: int = 2):
         self.workdir = Path(workdir)
         self.max_live, self.max_module = max_live, max_module
         self.module = ""
+        self.keep: set[str] = set()
         self.servers: dict[str, TritonServer] = {}  # live, least recently asked for first
         self._asked_by: dict[str, str] = {}  # name -> the module that last asked for it
         self._requests: dict[str, tuple] = {}
@@ -72,11 +74,12 @@ class ServerPool:
         return self.servers[name]
 
     def _make_room(self) -> None:
-        idle = [name for name in self.servers if self._asked_by[name] != self.module]
+        idle = [name for name in self.servers if self._asked_by[name] != self.module and name not in self.keep]
         while len(self.servers) >= self.max_live and idle:
             self.servers.pop(idle.pop(0)).stop()
         while len(self.servers) >= self.max_module:
-            self.servers.pop(next(iter(self.servers))).stop()
+            oldest = sorted(self.servers, key=lambda name: name in self.keep)[0]
+            self.servers.pop(oldest).stop()
 
     def stop_idle(self) -> None:
         """Stop the live servers the running module has not asked for: before a test starts
