@@ -360,6 +360,11 @@ def model_context(target_dir: Path) -> int:
     return _context(_text_config(target_dir))
 
 
+def model_vocab_size(target_dir: Path) -> int:
+    """The rows of a target's LM head (config.json's vocab_size, as AutoConfig reads it)."""
+    return int(_text_config(target_dir)["vocab_size"])
+
+
 # generation_config.json key -> the request field it gives a default (vLLM's
 # `--generation-config auto`: what the model's authors chose, where a request sets nothing)
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",

@@ -193,8 +193,11 @@ def cached_text_tokenizer(tokenizer, tmp_path_factory):
 def test_the_text_tokenizer_encodes_and_renders_chats_as_the_hugging_face_tokenizer(
         tokenizer, cached_text_tokenizer):
     for ours in cached_text_tokenizer:
-        assert len(ours) == len(tokenizer)
+        assert len(ours) == len(tokenizer) and ours.get_vocab() == tokenizer.get_vocab()
         assert render_chat(ours, CHAT) == render_chat(tokenizer, CHAT)
+        for text in PROMPTS + [" padded", "<|im_start|>user"]:
+            for special in (True, False):
+                assert ours.encode(text, special) == tokenizer.encode(text, add_special_tokens=special)
         for text in PROMPTS:
             for template in (True, False):
                 assert encode_prompt(ours, text, template) == encode_prompt(tokenizer, text, template)
@@ -228,3 +231,40 @@ def test_an_edited_tokenizer_file_is_a_new_cache_entry(tmp_path, monkeypatch):
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     assert tokenizer_cache_file(folder) != before
     assert render_chat(text_tokenizer(folder), CHAT[:2]) == "[Be brief.][Hi 😀 <|im_end|>]"
+
+
+def test_a_grammars_vocabulary_from_the_text_tokenizer_is_the_hugging_face_tokenizers(
+        tokenizer, cached_text_tokenizer, monkeypatch):
+    """xgrammar's TokenizerInfo, built from the Hugging Face tokenizer once and then read back
+    from the cache (spec_decode's TextTokenizer has no Hugging Face tokenizer to build it)."""
+    import xgrammar as xgr
+
+    from eagle_serve.core import grammar, tokenization
+
+    want = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[2])
+    built, read = cached_text_tokenizer
+    got = [grammar.tokenizer_info(built, 49152, (2,))]
+    monkeypatch.setattr(tokenization, "load_tokenizer", lambda folder: pytest.fail("not cached"))
+    got.append(grammar.tokenizer_info(read, 49152, (2,)))
+    for info in got:
+        assert info.decoded_vocab == want.decoded_vocab and info.vocab_size == want.vocab_size
+        assert (info.vocab_type, info.add_prefix_space) == (want.vocab_type, want.add_prefix_space)
+        assert info.stop_token_ids == want.stop_token_ids and info.special_token_ids == want.special_token_ids
+
+
+def test_eos_ids_and_vocabulary_size_are_read_as_transformers_reads_them(tmp_path):
+    from transformers import AutoConfig, GenerationConfig
+
+    from eagle_serve.core.tokenization import eos_token_ids
+    from eagle_serve.settings import model_vocab_size
+
+    default = paths.default_target_dir()
+    assert eos_token_ids(default) == (GenerationConfig.from_pretrained(default).eos_token_id,)
+    assert model_vocab_size(default) == AutoConfig.from_pretrained(default).vocab_size
+    config = json.loads((default / "config.json").read_text())
+    for eos, want in ((7, (7,)), ([3, 4], (3, 4)), (None, ())):
+        (tmp_path / "config.json").write_text(json.dumps(config | {"eos_token_id": eos}))
+        assert eos_token_ids(tmp_path) == want  # no generation_config.json: config.json's
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+        assert eos_token_ids(tmp_path) == (9,)
+        (tmp_path / "generation_config.json").unlink()

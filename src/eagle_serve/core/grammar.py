@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -84,6 +85,31 @@ def _check_pattern(pattern: str) -> None:
         raise ValueError(f"regex construct {bad!r} (lookaround or backreference) is not supported")
 
 
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    """xgrammar's TokenizerInfo of the target's tokenizer, as `from_huggingface` builds it. A
+    TextTokenizer (spec_decode's) has no Hugging Face tokenizer to build it from: it is built
+    from the one in the model folder once per machine and read back from beside the
+    TextTokenizer's own cache file (keyed by it, xgrammar's version and the arguments)."""
+    import xgrammar as xgr
+
+    from eagle_serve.core.tokenization import TextTokenizer, load_tokenizer, write_atomically
+
+    def build(hf):
+        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+    if not isinstance(tokenizer, TextTokenizer):
+        return build(tokenizer)
+    from importlib.metadata import version
+
+    key = f"{version('xgrammar')}-{vocab_size}-{'-'.join(map(str, stop_token_ids))}"
+    cached = Path(tokenizer.cache_file).with_suffix(f".xgrammar-{key}.json")
+    if cached.is_file():
+        return xgr.TokenizerInfo.deserialize_json(cached.read_text(encoding="utf-8"))
+    info = build(load_tokenizer(tokenizer.folder))
+    write_atomically(cached, info.serialize_json())
+    return info
+
+
 class Guides:
     """Compiles guides for one target tokenizer, one at a time in a thread of their own."""
 
@@ -91,8 +117,7 @@ class Guides:
         import xgrammar as xgr
 
         self.xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_token_ids) or None)
+        info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         special = set(info.special_token_ids) | set(stop_token_ids)
         self.token_of = {text: i for i, text in enumerate(info.decoded_vocab)

@@ -1,4 +1,4 @@
-"""Text <-> token ids for the preprocess and postprocess models.
+"""Text <-> token ids for the preprocess, postprocess and spec_decode models.
 
 `encode_prompt` turns a user message (or a raw prompt) into the ids the target sees.
 `decode_delta` is a stateless incremental detokenizer: given a short window of earlier ids and
@@ -48,21 +48,32 @@ def load_tokenizer(folder: str | Path):
 
 @dataclass(frozen=True)
 class TextTokenizer:
-    """A Hugging Face tokenizer's encode, decode and chat template on the `tokenizers` backend
-    alone, for preprocess and postprocess: transformers' AutoTokenizer imports torch (~5 s of
-    CPU per process at every server start), this ~1 s. It is the Hugging Face tokenizer's own
-    backend, saved once per machine by `text_tokenizer`, so ids and text are that tokenizer's;
-    it answers the calls the functions below make of one."""
+    """A Hugging Face tokenizer's encode, decode, vocabulary and chat template on the
+    `tokenizers` backend alone, for preprocess, postprocess and spec_decode: transformers'
+    AutoTokenizer imports its config classes and with them torch's compiler and distributed
+    packages (~2.5 s of CPU per process at every server start). It is the Hugging Face
+    tokenizer's own backend, saved once per machine by `text_tokenizer`, so ids and text are that
+    tokenizer's; it answers the calls the functions below and the engine make of one.
+    `cache_file` is where it was saved and `folder` the model folder it came from (a grammar's
+    vocabulary is built from the Hugging Face tokenizer there once: eagle_serve.core.grammar)."""
     backend: object  # tokenizers.Tokenizer
     chat_template: str | None
     template_tokens: dict  # special_tokens_map: bos_token, eos_token, ... which templates read
     size: int  # len() of the Hugging Face tokenizer
+    folder: str = ""
+    cache_file: str = ""
 
     def __len__(self) -> int:
         return self.size
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool = False) -> str:
@@ -90,19 +101,20 @@ def text_tokenizer(folder: str | Path) -> TextTokenizer:
 
     cached = tokenizer_cache_file(folder)
     if cached.exists():
-        saved = json.loads(cached.read_text())
+        saved = json.loads(cached.read_text(encoding="utf-8"))
     else:
         hf = load_tokenizer(folder)
         template = hf.get_chat_template() if getattr(hf, "chat_template", None) else None
         saved = {"backend": hf.backend_tokenizer.to_str(), "chat_template": template,
                  "template_tokens": hf.special_tokens_map, "size": len(hf)}
-        _write_atomically(cached, json.dumps(saved))
+        write_atomically(cached, json.dumps(saved))
     if saved["chat_template"]:
         from transformers.utils import chat_template_utils  # noqa: F401 (now, not at the first request)
     backend = Tokenizer.from_str(saved["backend"])
     backend.no_truncation()
     backend.no_padding()
-    return TextTokenizer(backend, saved["chat_template"], saved["template_tokens"], saved["size"])
+    return TextTokenizer(backend, saved["chat_template"], saved["template_tokens"], saved["size"],
+                         str(folder), str(cached))
 
 
 def tokenizer_cache_file(folder: str | Path) -> Path:
@@ -119,11 +131,11 @@ def tokenizer_cache_file(folder: str | Path) -> Path:
     return paths.cache_dir() / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     """Whole or not at all: preprocess and postprocess may write the same file at once."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False, suffix=".tmp") as f:
             f.write(text)
         os.replace(f.name, path)
     except OSError:
@@ -131,15 +143,14 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
-    """EOS ids of a model folder: generation_config.json, else config.json (an int or a list)."""
-    from transformers import AutoConfig, GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = AutoConfig.from_pretrained(str(model_dir)).eos_token_id
+    """EOS ids of a model folder: generation_config.json's, else config.json's (an int or a list),
+    read as transformers' GenerationConfig and AutoConfig read them, without importing them."""
+    eos = None
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if eos is None and path.is_file():
+            config = json.loads(path.read_text(encoding="utf-8"))
+            eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,5 +1,5 @@
 """One-time set-up behind `make setup`: the tritonserver tree, the default target (its drafter
-ships in drafters/) and its tokenizer as preprocess/postprocess load it, and, on CPUs with
+ships in drafters/) and its tokenizer as the Triton models load it, and, on CPUs with
 AVX2, the row-invariant CPU kernels (eagle_serve/kernels/cpu*.cpp).
 
 Idempotent: each step checks for its finished output and skips. Needs no network besides the
@@ -69,12 +69,17 @@ def convert_default_target(dest: Path) -> Path:
 
 
 def cache_default_tokenizer() -> Path:
-    """The default tokenizer as preprocess and postprocess load it (core.tokenization.text_tokenizer),
-    so that the first server start, too, skips transformers."""
-    from eagle_serve.core.tokenization import text_tokenizer, tokenizer_cache_file
+    """The default tokenizer as preprocess, postprocess and spec_decode load it
+    (core.tokenization.text_tokenizer), so that the first server start, too, skips transformers,
+    and its grammar vocabulary (core.grammar.tokenizer_info), so that the first guided request
+    does."""
+    from eagle_serve.core.grammar import tokenizer_info
+    from eagle_serve.core.tokenization import eos_token_ids, text_tokenizer, tokenizer_cache_file
+    from eagle_serve.settings import model_vocab_size
 
-    text_tokenizer(paths.default_target_dir())
-    return tokenizer_cache_file(paths.default_target_dir())
+    folder = paths.default_target_dir()
+    tokenizer_info(text_tokenizer(folder), model_vocab_size(folder), eos_token_ids(folder))
+    return tokenizer_cache_file(folder)
 
 
 def build_cpu_kernels() -> str:

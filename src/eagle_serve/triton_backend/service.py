@@ -25,18 +25,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from transformers import AutoConfig
 
 from eagle_serve.core.interfaces import ModelUnavailable
 from eagle_serve.core.requests import (
     RequestOutput,
     TokenLogprob,
 )
-from eagle_serve.core.tokenization import decode, decode_delta, detok_window, eos_token_ids, load_tokenizer
+from eagle_serve.core.tokenization import decode, decode_delta, detok_window, eos_token_ids, text_tokenizer
 from eagle_serve.engine import Engine, EngineBusy
 from eagle_serve.kernels.warmup import warm_engine
 from eagle_serve.models.dtypes import settings_dtype
-from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults
+from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults, model_vocab_size
 from eagle_serve.spec.lookup import load_corpus_index
 from eagle_serve.triton_backend import internal_key
 from eagle_serve.triton_backend import io as tu
@@ -324,11 +323,11 @@ def start_service(pb, args: dict) -> "SpecDecodeService":
     print(f"spec_decode: {settings.kv_summary()}", flush=True)
     if device.type == "cpu":
         settings.apply_threads("engine")
-    vocab = AutoConfig.from_pretrained(str(target_dir)).vocab_size
+    vocab = model_vocab_size(target_dir)
     bls = dict(key=internal_key.server_key(), timeout_s=settings.limits.model_call_timeout_s)
     target = BlsTarget(pb, vocab, device, **bls)
     drafter = BlsDrafter(pb, vocab, device, **bls) if drafter_dir is not None else None
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = text_tokenizer(target_dir)  # not AutoTokenizer: see TextTokenizer
     corpus = settings.corpus_index_path(repo, drafter_dir)
     engine = Engine(target, drafter, EngineConfig.from_settings(settings, eos_token_ids(target_dir)),
                     tokenizer=tokenizer, device=device,
