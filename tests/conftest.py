@@ -76,23 +76,26 @@ def no_idle_servers(triton_server):
 
 
 def pytest_collection_modifyitems(items):
-    """Modules with `server` or `slow` tests first (in their order, each kept whole), the
-    modules of a SHARED_SERVERS unit in the unit's order. xdist's loadfile then hands out
+    """Modules with `server` or `slow` tests, or in a SHARED_SERVERS unit, first (in their order,
+    each kept whole; a unit's in the unit's order). xdist's loadfile then hands out
     modules (units) by their number of tests, this order breaking ties; handing them out in
     this order (--no-loadscope-reorder) ran both workers' servers at once and took memory to
     within 1.4 GB of the 24 GiB."""
-    heavy = {item.module for item in items
-             if item.get_closest_marker("server") or item.get_closest_marker("slow")}
+    heavy = {item.module for item in items if item.get_closest_marker("server") or item.get_closest_marker("slow")
+             or item.nodeid.split("::")[0] in _UNIT}
     items.sort(key=lambda item: (item.module not in heavy, _IN_UNIT.get(item.nodeid.split("::")[0], 0)))
 
 
 # Modules asking for the same servers, each first for the one the module before it asked for
 # last: one xdist work unit each, so that one worker runs them one after the other and its
 # pool starts those servers once. The default model's server takes twice a tiny one's start.
-SHARED_SERVERS = {"default-model": ("tests/bench/test_clients.py", "tests/triton_backend/test_server_e2e.py",
-                                    "tests/triton_backend/test_triton_clients.py"),
-                  "tiny-and-tight": ("tests/openai_api/test_openai_server.py", "tests/server/test_reliability.py",
-                                     "tests/server/test_hardening.py")}  # last: its hang tests end their servers
+SHARED_SERVERS = {
+    "default-model": ("tests/bench/test_clients.py", "tests/triton_backend/test_server_e2e.py",
+                      "tests/triton_backend/test_triton_clients.py"),
+    "tiny-and-tight": ("tests/openai_api/test_openai_server.py", "tests/openai_api/test_openai_sampling.py",
+                       "tests/openai_api/test_openai_structured.py", "tests/server/test_reliability.py",
+                       "tests/server/test_hardening.py"),  # last: its hang tests end their servers
+}
 # Servers every module of a unit asks for: kept live through it, beside two others (the
 # default model's ~3 GB with two tiny ones' ~1.8 GB each)
 KEEP_LIVE = {"default-model": {"default"}}
