@@ -167,7 +167,7 @@ def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
 def serve_tiny(tmp_path: Path, tiny_models: dict[str, Path], openai: bool = False):
     """`python -m eagle_serve.server.serve` (what `make serve` runs: the supervised tritonserver, and
     the OpenAI server if `openai`) on the float64 tiny model with k = 2, not waited for ->
-    its process, with .http and .grpc (host:port), .openai_port and .log_path; its process
+    its process, with .http, .grpc and .metrics (host:port), .openai_port and .log_path; its process
     group is killed at the end."""
     repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", None, {"spec_decode": {
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
@@ -181,7 +181,7 @@ def serve_tiny(tmp_path: Path, tiny_models: dict[str, Path], openai: bool = Fals
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd + ([] if openai else ["--no-openai"]), env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    proc.http, proc.grpc = f"localhost:{http}", f"localhost:{grpc}"
+    proc.http, proc.grpc, proc.metrics = f"localhost:{http}", f"localhost:{grpc}", f"localhost:{metrics_port}"
     proc.openai_port, proc.log_path = openai_port, log_path
     try:
         yield proc

@@ -42,16 +42,30 @@ def assert_in_grammar(engine, guide, tokens: list[int], finished: str) -> None:
         assert m.is_terminated()
 
 
+@pytest.fixture(scope="module")
+def plain_engine(tiny_target):
+    return tiny_engine(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def unconstrained(plain_engine, prompts) -> list[list[int]]:
+    return [r.token_ids for r in plain_engine.generate(prompts, greedy())]
+
+
+@pytest.fixture(scope="module")
+def chain_and_tree_engine(tiny_target, eagle1_head):
+    return tiny_engine(tiny_target, eagle1_head, max_running=3)
+
+
 @pytest.mark.parametrize("name", list(GUIDES))
-def test_constrained_speculative_greedy_output_equals_constrained_plain(tiny_target, eagle1_head, prompts, name):
+def test_constrained_speculative_greedy_output_equals_constrained_plain(plain_engine, unconstrained,
+                                                                        chain_and_tree_engine, prompts, name):
     guide = GUIDES[name]
-    plain_engine = tiny_engine(tiny_target)
     plain = plain_engine.generate(prompts, greedy(guide=guide))
-    free = plain_engine.generate(prompts, greedy())
-    assert [r.token_ids for r in plain] != [r.token_ids for r in free]
+    assert [r.token_ids for r in plain] != unconstrained
     for r in plain:
         assert_in_grammar(plain_engine, guide, r.token_ids, r.finish_reason)
-    engine = tiny_engine(tiny_target, eagle1_head, max_running=3)
+    engine = chain_and_tree_engine
     for shape in (dict(k=4), dict(k=6, draft_topk=2, draft_depth=3)):
         got = engine.generate(prompts, greedy(guide=guide, **shape))
         assert [r.token_ids for r in got] == [r.token_ids for r in plain], shape

@@ -158,7 +158,7 @@ def test_the_training_command_trains_a_head_for_every_architecture(arch, arch_mo
 
     folder, _ = arch_models(arch)
     engine = build_local_engine(folder, None, dtype="float64", eos_token_ids=())
-    answers = engine.generate(prompts[:2], SamplingParams(max_tokens=16))
+    answers = engine.generate(prompts[:2], SamplingParams(max_tokens=10))
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     with gzip.open(corpus / "shard-0000.jsonl.gz", "wt") as f:
@@ -170,7 +170,7 @@ def test_the_training_command_trains_a_head_for_every_architecture(arch, arch_mo
     drafter = load_drafter(out, folder, dtype=torch.float64)
     assert drafter.head.version == 3 and drafter.feature_layers == (2, 2, 1)
     spec = build_local_engine(folder, out, dtype="float64", eos_token_ids=())
-    got = spec.generate(prompts[:2], SamplingParams(max_tokens=16, num_speculative_tokens=2))
+    got = spec.generate(prompts[:2], SamplingParams(max_tokens=10, num_speculative_tokens=2))
     assert [r.token_ids for r in got] == [a.token_ids for a in answers]
 
 
@@ -186,12 +186,12 @@ def test_verify_passes_reproduce_plain_decoding_bitwise(arch, dtype, arch_models
     folder, _ = arch_models(arch)
     seqs = [prompts[1], prompts[2], prompts[5]]
     plain = [r.token_ids for r in build_local_engine(folder, None, dtype=dtype, eos_token_ids=(),
-                                                     max_running=1).generate(seqs, SamplingParams(max_tokens=12))]
+                                                     max_running=1).generate(seqs, SamplingParams(max_tokens=9))]
     engine = build_local_engine(folder, None, dtype=dtype, eos_token_ids=(), max_running=3)
     engine.drafter = TreeOracleDrafter([p + e for p, e in zip(seqs, plain)], engine.target.vocab_size)
-    shapes = [SamplingParams(max_tokens=12, num_speculative_tokens=4),
-              SamplingParams(max_tokens=12, num_speculative_tokens=6, draft_topk=2, draft_depth=3),
-              SamplingParams(max_tokens=12, num_speculative_tokens=3)]
+    shapes = [SamplingParams(max_tokens=9, num_speculative_tokens=4),  # two verify rounds each
+              SamplingParams(max_tokens=9, num_speculative_tokens=6, draft_topk=2, draft_depth=3),
+              SamplingParams(max_tokens=9, num_speculative_tokens=3)]
     results = engine.generate(seqs, shapes)
     assert [r.token_ids for r in results] == plain
     assert max(r.acceptance_length for r in results) > 1.5

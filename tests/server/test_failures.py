@@ -13,6 +13,7 @@ import pytest
 from triton_pool import get, post_json, serve_tiny, wait_until
 
 from eagle_serve.client import grpc_generate, http_generate
+from eagle_serve.server.health import in_flight
 from eagle_serve.server.processes import model_processes
 
 pytestmark = pytest.mark.server
@@ -53,7 +54,8 @@ def long_stream(proc, out: dict) -> threading.Thread:
         out["at"] = time.monotonic()
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(3)
+    assert wait_until(lambda: in_flight(proc.metrics) > 0, 30, 0.05), "the stream never ran"
+    time.sleep(0.5)  # a few rounds in: the drafter is being called
     return thread
 
 
