@@ -13,9 +13,10 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_pool import CHAINS, tiny_server
+from triton_pool import CHAINS, tiny_server, wait_until
 
 from eagle_serve.client import grpc_generate
+from eagle_serve.server.health import in_flight
 
 pytestmark = pytest.mark.server
 
@@ -198,7 +199,7 @@ def test_streams_end_with_exactly_one_final_on_success_and_on_bad_input(triton_s
 def test_a_model_call_that_hangs_fails_its_requests_in_time_and_turns_readiness_red(
         triton_server, tiny_models, tmp_path, model):
     hang = tmp_path / "hang"
-    server = triton_server(f"tiny64-hang-{model}", overrides={
+    server = triton_server(f"tiny64-hang-{model}", ["spec_decode", "eagle_target", "eagle_drafter"], {
         "spec_decode": {"target_model": str(tiny_models["target"]),
                         "drafter_model": str(tiny_models["eagle3"]), "dtype": "float64",
                         "num_speculative_tokens": "2", "page_size": "8", "model_call_timeout_s": "3",
@@ -213,7 +214,8 @@ def test_a_model_call_that_hangs_fails_its_requests_in_time_and_turns_readiness_
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(2.0)
+    assert wait_until(lambda: in_flight(server.metrics_url) == 2, 30, 0.05), "the streams never ran"
+    time.sleep(0.5)  # a few rounds in
     hang.touch()
     hung_at = time.monotonic()
     try:
