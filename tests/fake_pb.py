@@ -1,10 +1,12 @@
 """A stand-in for `triton_python_backend_utils`, so the code behind the Python-backend models
 runs in-process: `install(monkeypatch)` puts it into sys.modules. Requests carry numpy inputs;
 a sender records every response it is given (with its flags) and can be told that the client
-cancelled or that sending fails."""
+cancelled or that sending fails. `ids_request` and `text_request` build spec_decode's requests;
+`wait_final` waits for their last responses."""
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import numpy as np
@@ -98,3 +100,24 @@ def install(monkeypatch) -> types.SimpleNamespace:
     fake = module()
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
     return fake
+
+
+def ids_request(ids, max_tokens=12, stream=False, **extra):
+    inputs = dict(input_ids=np.array([ids], np.int32), max_tokens=np.array([[max_tokens]], np.int32),
+                  ignore_eos=np.array([[True]]), stream=np.array([[stream]]))
+    return Request(**inputs, **extra)
+
+
+def text_request(text, max_tokens=12, stream=False, **extra):
+    return Request(text_input=np.array([[text.encode()]], object),
+                           max_tokens=np.array([[max_tokens]], np.int32),
+                           ignore_eos=np.array([[True]]), stream=np.array([[stream]]), **extra)
+
+
+def wait_final(requests, deadline_s: float = 120.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if all(r.sender.finals for r in requests):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no FINAL within {deadline_s} s: {[r.sender.sent for r in requests]}")

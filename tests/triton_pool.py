@@ -115,6 +115,15 @@ def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str, name:
         "num_target_pages": "256", "num_drafter_pages": "256", **CHAINS, **settings}})
 
 
+def tight_server(pool: ServerPool, tiny_models: dict[str, Path]) -> TritonServer:
+    """8 pages of 8 = 64 positions, one running request and one waiting: easy to overfill."""
+    return pool("tiny64-tight", overrides={"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
+        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
+        "num_target_pages": "8", "num_drafter_pages": "8", "max_running": "1",
+        "max_waiting": "1", "max_model_len": "160", **CHAINS}})
+
+
 # Requests that do not ask for a tree draft chains of k, and trees asked for are drafted in
 # batches of any size (the shipped config drafts a pruned 8x4x3 tree while a request runs
 # alone), unpruned and whatever their acceptance or the load: a random head's draft

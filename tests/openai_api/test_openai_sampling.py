@@ -9,11 +9,10 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
-from test_openai_server import api, chat, streamed_chat, tiny, tokenizer, user  # noqa: F401 (fixtures)
+from openai_front import PROMPT, chat, streamed_chat, user
 
 pytestmark = pytest.mark.server
 
-PROMPT = "Write a haiku about the sea."
 PLAIN = {"num_speculative_tokens": 0}
 
 

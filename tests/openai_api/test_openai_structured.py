@@ -7,7 +7,7 @@ import json
 
 import openai
 import pytest
-from test_openai_server import api, chat, tiny, tokenizer, user  # noqa: F401 (fixtures)
+from openai_front import chat, user
 
 pytestmark = pytest.mark.server
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
-import promql_parser
 import pytest
 import yaml
+from grafana import dashboard, dashboard_queries, metric_names
 
 from eagle_serve import paths
 from eagle_serve.server.replicas import ROUTER_FLAGS
@@ -148,33 +148,6 @@ def test_the_service_monitor_scrapes_named_ports_of_the_services_it_selects(mani
         doc["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())]
     port_names = {p["name"] for s in selected for p in s["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics", "router-metrics"} <= port_names
-
-
-def dashboard() -> dict:
-    return json.loads((DEPLOY / "grafana" / "eagle-serve.json").read_text())
-
-
-def dashboard_queries() -> list[str]:
-    return [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metrics a PromQL expression selects (raises on a syntax error)."""
-    names, todo = set(), [promql_parser.parse(expr)]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, promql_parser.VectorSelector):
-            names.add(node.name)
-        elif isinstance(node, promql_parser.MatrixSelector):
-            todo.append(node.vector_selector)
-        elif isinstance(node, promql_parser.BinaryExpr):
-            todo += [node.lhs, node.rhs]
-        elif isinstance(node, promql_parser.Call):
-            todo += list(node.args)
-        elif isinstance(node, (promql_parser.AggregateExpr, promql_parser.ParenExpr,
-                               promql_parser.UnaryExpr, promql_parser.SubqueryExpr)):
-            todo.append(node.expr)
-    return names
 
 
 def test_the_dashboard_is_grafana_json_whose_queries_parse_as_promql():

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_pool import CHAINS, tiny_server
+from triton_pool import CHAINS, tight_server, tiny_server
 
 from eagle_serve.client import grpc_generate, http_generate, metrics
 from eagle_serve.tools.soak import run_soak
@@ -79,13 +79,6 @@ def test_malformed_input_gets_a_clear_error(triton_server, tiny_models, tensors,
     assert good.error is None and good.output_ids
 
 
-def tight_server(triton_server, tiny_models):
-    """8 pages of 8 = 64 positions, one running request and one waiting: easy to overfill."""
-    return triton_server("tiny64-tight", overrides={"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
-        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "8", "num_drafter_pages": "8", "max_running": "1",
-        "max_waiting": "1", "max_model_len": "160", **CHAINS}})
 
 
 def test_a_request_that_could_never_fit_the_cache_is_refused_and_nothing_else_changes(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from grafana import dashboard_queries, metric_names
 from triton_pool import get, post_json, wait_until
 
 from eagle_serve import paths
@@ -167,7 +168,6 @@ def exported_metrics(url: str) -> set[str]:
 
 
 def test_every_dashboard_query_names_a_metric_the_servers_or_the_router_export(replicas):
-    from test_deploy import dashboard_queries, metric_names
     exported = exported_metrics(f"http://127.0.0.1:{replicas.ports[0].metrics}/metrics") | \
         exported_metrics(f"http://127.0.0.1:{replicas.router_metrics_port}/metrics")
     for query in dashboard_queries():

@@ -7,6 +7,7 @@ import time
 import fake_pb
 import numpy as np
 import pytest
+from fake_pb import ids_request, text_request, wait_final
 
 from eagle_serve.core.interfaces import ModelUnavailable
 from eagle_serve.testing import tiny_engine
@@ -54,27 +55,6 @@ def make_service(pb, tiny_models, **overrides):
     engine.drafter = FailingModel(engine.drafter, "propose")
     broken: list[str] = []
     return SpecDecodeService(pb, engine, None, on_broken=broken.append), broken
-
-
-def ids_request(ids, max_tokens=12, stream=False, **extra):
-    inputs = dict(input_ids=np.array([ids], np.int32), max_tokens=np.array([[max_tokens]], np.int32),
-                  ignore_eos=np.array([[True]]), stream=np.array([[stream]]))
-    return fake_pb.Request(**inputs, **extra)
-
-
-def text_request(text, max_tokens=12, stream=False, **extra):
-    return fake_pb.Request(text_input=np.array([[text.encode()]], object),
-                           max_tokens=np.array([[max_tokens]], np.int32),
-                           ignore_eos=np.array([[True]]), stream=np.array([[stream]]), **extra)
-
-
-def wait_final(requests, deadline_s: float = 120.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if all(r.sender.finals for r in requests):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"no FINAL within {deadline_s} s: {[r.sender.sent for r in requests]}")
 
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [7, 7, 7, 7, 7, 7], [1000, 42]]

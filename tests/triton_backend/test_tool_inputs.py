@@ -5,7 +5,7 @@ from __future__ import annotations
 import fake_pb
 import numpy as np
 import pytest
-from test_service import text_request, wait_final
+from fake_pb import text_request, wait_final
 
 from eagle_serve.testing import tiny_engine
 from eagle_serve.triton_backend.service import SpecDecodeService
