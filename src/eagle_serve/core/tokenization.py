@@ -51,9 +51,10 @@ class TextTokenizer:
     """A Hugging Face tokenizer's encode, decode, vocabulary and chat template on the
     `tokenizers` backend alone, for preprocess, postprocess and spec_decode: transformers'
     AutoTokenizer imports its config classes and with them torch's compiler and distributed
-    packages (~2.5 s of CPU per process at every server start). It is the Hugging Face
-    tokenizer's own backend, saved once per machine by `text_tokenizer`, so ids and text are that
-    tokenizer's; it answers the calls the functions below and the engine make of one.
+    packages in every such process at every server start (docs/performance.md, "Start-up").
+    It is the Hugging Face tokenizer's own backend, saved once per machine by `text_tokenizer`,
+    so ids and text are that tokenizer's; it answers the calls the functions below and the
+    engine make of one.
     `cache_file` is where it was saved and `folder` the model folder it came from (a grammar's
     vocabulary is built from the Hugging Face tokenizer there once: eagle_serve.core.grammar)."""
     backend: object  # tokenizers.Tokenizer
@@ -132,7 +133,7 @@ def tokenizer_cache_file(folder: str | Path) -> Path:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Whole or not at all: preprocess and postprocess may write the same file at once."""
+    """Whole or not at all: the Triton models of a server may write the same cache file at once."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False, suffix=".tmp") as f:

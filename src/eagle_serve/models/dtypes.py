@@ -1,7 +1,8 @@
 """The model dtype a settings name means on this machine, read without importing torch where the
 name or the CPU's flags decide it (a dtype named; auto on a CPU without native bfloat16): Triton's
 auto-complete stubs of eagle_target and eagle_drafter read it before the models load
-(eagle_serve.triton_backend.features), and a torch import is ~2 s of CPU at every server start."""
+(eagle_serve.triton_backend.features) at every server start, where a torch import is a large
+share of the CPU (docs/performance.md, "Start-up")."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,6 +52,4 @@ def settings_dtype_name(settings, on_gpu: bool, repo_dir: Path) -> str:
 
 def settings_dtype(settings, on_gpu: bool, repo_dir: Path):
     """`settings_dtype_name` as a torch dtype."""
-    import torch
-
-    return getattr(torch, settings_dtype_name(settings, on_gpu, repo_dir))
+    return torch_dtype(settings.model.dtype, on_gpu, settings.model_dirs(repo_dir)[0])

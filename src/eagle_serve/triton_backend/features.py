@@ -4,8 +4,8 @@ declared by each model's `auto_complete_config` in the model dtype its settings 
 Triton runs `auto_complete_config` in a stub process of its own, which imports model.py and
 exits, before the model's instance stub imports it again: so model.py imports this module (the
 settings and the dtype names: no torch unless `auto` must ask the GPU or read the target's
-weights, no transformers) and its worker only inside `initialize`, which keeps ~5 s of imports
-per model off every server start.
+weights, no transformers) and its worker only inside `initialize`, which keeps the model's
+imports off that process at every server start (docs/performance.md, "Start-up").
 """
 from __future__ import annotations
 
