@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_serve.core.tokenization import eos_token_ids, load_tokenizer
+from eagle_serve.core.tokenization import eos_token_ids, text_tokenizer
 from eagle_serve.engine import Engine
 from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.models.dtypes import torch_dtype
@@ -40,7 +40,7 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
                          page_size=config.cache.page_size,
                          feature_layers=drafter.feature_layers if drafter else None,
                          activations=target_activations, cuda_graphs=cuda_graphs)
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = text_tokenizer(target_dir)
     if corpus == "default":
         corpus = default_corpus_index(drafter_dir)
     return Engine(target, drafter, config, tokenizer, device=device,

@@ -24,6 +24,7 @@ invalid, so for them it holds as long as byte tokens form valid UTF-8 (as a mode
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -97,25 +98,34 @@ class TextTokenizer:
 def text_tokenizer(folder: str | Path) -> TextTokenizer:
     """The TextTokenizer of a model folder, from the machine's cache (`tokenizer_cache_file`),
     else from the Hugging Face tokenizer, which then fills the cache (where it cannot be
-    written: used uncached)."""
-    from tokenizers import Tokenizer
-
+    written: used uncached). A process reads a cache file once: engines built one after the
+    other (benchmarks, tests) share what it holds, which no caller changes."""
     cached = tokenizer_cache_file(folder)
     if cached.exists():
-        saved = json.loads(cached.read_text(encoding="utf-8"))
-    else:
-        hf = load_tokenizer(folder)
-        template = hf.get_chat_template() if getattr(hf, "chat_template", None) else None
-        saved = {"backend": hf.backend_tokenizer.to_str(), "chat_template": template,
-                 "template_tokens": hf.special_tokens_map, "size": len(hf)}
-        write_atomically(cached, json.dumps(saved))
+        return _read_cached(cached, str(folder))
+    hf = load_tokenizer(folder)
+    template = hf.get_chat_template() if getattr(hf, "chat_template", None) else None
+    saved = {"backend": hf.backend_tokenizer.to_str(), "chat_template": template,
+             "template_tokens": hf.special_tokens_map, "size": len(hf)}
+    write_atomically(cached, json.dumps(saved))
+    return _text_tokenizer(saved, str(folder), str(cached))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_cached(cached: Path, folder: str) -> TextTokenizer:
+    return _text_tokenizer(json.loads(cached.read_text(encoding="utf-8")), folder, str(cached))
+
+
+def _text_tokenizer(saved: dict, folder: str, cache_file: str) -> TextTokenizer:
+    from tokenizers import Tokenizer
+
     if saved["chat_template"]:
         from transformers.utils import chat_template_utils  # noqa: F401 (now, not at the first request)
     backend = Tokenizer.from_str(saved["backend"])
     backend.no_truncation()
     backend.no_padding()
     return TextTokenizer(backend, saved["chat_template"], saved["template_tokens"], saved["size"],
-                         str(folder), str(cached))
+                         folder, cache_file)
 
 
 def tokenizer_cache_file(folder: str | Path) -> Path:

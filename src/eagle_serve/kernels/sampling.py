@@ -107,9 +107,11 @@ def compute_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     vocab = logits.shape[1]
     scaled = logits.float() / temperature.float().unsqueeze(1)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    if bool((k < vocab).any()):
-        kth = torch.sort(scaled, dim=1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    cut = k < vocab
+    if bool(cut.any()):  # the k-th largest of each row, from the largest k asked (not a full sort)
+        largest = torch.topk(scaled, int(k[cut].max()), dim=1).values
+        kth = largest.gather(1, torch.where(cut, k - 1, 0).unsqueeze(1))
+        scaled = scaled.masked_fill((scaled < kth) & cut.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scaled, dim=1)
     if bool((top_p < 1).any()):
         sorted_p, order = torch.sort(probs, dim=1, descending=True)
