@@ -156,9 +156,11 @@ def eagle3_head(tmp_path_factory, tiny_target):
 
 @pytest.fixture(scope="session")
 def prompts():
-    """8 prompts of mixed lengths (3 .. 45 tokens)."""
+    """8 prompts of mixed lengths (3 .. 45 tokens) of the tiny models' ids."""
+    from eagle_serve.testing import TINY_VOCAB
+
     rng = random.Random(1234)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 45, 17, 8, 30, 5, 22, 11)]
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (3, 45, 17, 8, 30, 5, 22, 11)]
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from eagle_serve.cpu.quant import round_to_q8_0
 from eagle_serve.models.checkpoints import read_target_tensor, save_head
 from eagle_serve.models.heads import EagleHead, random_head
 from eagle_serve.models.target import load_target_config
+from eagle_serve.settings import model_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
@@ -56,16 +57,26 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
 }
 
 
-def make_tiny_target(dest: str | Path, arch: str = "llama", *, vocab_size: int = 49152,
+# The tiny models' vocabulary unless they carry a real model's tokenizer: small, since the LM
+# head, softmax and sampling over the vocabulary are most of a tiny model's arithmetic, yet
+# holding every pair of printable characters (write_tiny_tokenizer: texts have several
+# tokenizations, as grammar tests need) and above the random heads' draft vocabularies (4096).
+TINY_VOCAB = 12288
+
+
+def make_tiny_target(dest: str | Path, arch: str = "llama", *, vocab_size: int | None = None,
                      hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4,
                      num_kv_heads: int = 2, seed: int = 0, dtype=torch.float64,
                      tokenizer_from: Path | None = None, random_norms_and_biases: bool = True,
                      **fields) -> Path:
     """A seeded random model of TINY_ARCHITECTURES[arch] saved as an HF folder (kept if there),
-    with write_tiny_tokenizer's tokenizer, or a copy of the one in the folder `tokenizer_from`."""
+    with write_tiny_tokenizer's tokenizer of `vocab_size` (default TINY_VOCAB) ids, or a copy of
+    the one in the folder `tokenizer_from` (`vocab_size` default: that model's)."""
     dest = Path(dest)
     if (dest / "config.json").exists():
         return dest
+    if vocab_size is None:
+        vocab_size = TINY_VOCAB if tokenizer_from is None else model_vocab_size(tokenizer_from)
     torch.manual_seed(seed)
     config_class, quirks = TINY_ARCHITECTURES[arch]
     config = getattr(transformers, config_class)(**(dict(

@@ -14,7 +14,7 @@ from eagle_serve import paths
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
-from eagle_serve.testing import tiny_engine
+from eagle_serve.testing import TINY_VOCAB, tiny_engine
 
 MAX_TOKENS = 12
 PAGE = 16
@@ -24,8 +24,8 @@ PAGE = 16
 def shared_prompts():
     """Prompts that share a 40-token prefix (2 full pages and a half), then differ."""
     rng = random.Random(7)
-    prefix = [rng.randrange(3, 49152) for _ in range(40)]
-    return [prefix + [rng.randrange(3, 49152) for _ in range(n)] for n in (9, 3, 20, 1, 33, 14)]
+    prefix = [rng.randrange(3, TINY_VOCAB) for _ in range(40)]
+    return [prefix + [rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (9, 3, 20, 1, 33, 14)]
 
 
 def greedy(k: int, **kw) -> SamplingParams:
@@ -83,7 +83,7 @@ def test_hits_inside_a_batch_and_across_evictions_and_preemption_stay_exact(
     """A pool of 24 pages: cached pages are evicted for new ones, and a batch of 6 preempts."""
     engine = tiny_engine(tiny_target, eagle3_head, num_target_pages=24, num_drafter_pages=24)
     rng = random.Random(3)
-    others = [[rng.randrange(3, 49152) for _ in range(50)] for _ in range(3)]
+    others = [[rng.randrange(3, TINY_VOCAB) for _ in range(50)] for _ in range(3)]
     prompts = shared_prompts + others + shared_prompts[:3]
     params = [greedy(k) for k in (0, 3, 1, 4, 2, 0, 3, 1, 2, 4, 0, 3)]
     expected = [hf_greedy(p, MAX_TOKENS) for p in prompts]
@@ -138,7 +138,7 @@ def test_chunked_prefill_gives_the_output_of_whole_prompts(tiny_target, eagle3_h
 def test_a_long_prompt_is_computed_over_several_rounds_while_others_decode(tiny_target, eagle3_head,
                                                                           hf_greedy):
     rng = random.Random(11)
-    long_prompt, short_prompt = [rng.randrange(3, 49152) for _ in range(120)], [5, 6, 7]
+    long_prompt, short_prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(120)], [5, 6, 7]
     engine = tiny_engine(tiny_target, eagle3_head, max_num_batched_tokens=16, enable_prefix_caching=False)
     short = engine.add_request(short_prompt, greedy(0, max_tokens=20))
     first = engine.step()  # the short request is decoding
@@ -265,13 +265,13 @@ def test_random_request_streams_give_plain_output_and_leak_no_page(tiny_target, 
     20-page pool: shared prefixes hit, pages are evicted and requests preempted or cancelled;
     every request that finishes gives plain greedy decoding's tokens, and every page comes back."""
     rng = random.Random(len(stream))
-    prefixes = [[rng.randrange(3, 49152) for _ in range(n)] for n in (0, 16, 20, 33, 40, 47)]
+    prefixes = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (0, 16, 20, 33, 40, 47)]
     engine = tiny_engine(tiny_target, eagle3_head, num_target_pages=20, num_drafter_pages=20,
                          max_num_batched_tokens=24)
     for wave in (stream[::2], stream[1::2]):
         ids = {}
         for choice, n, k, aborted in wave:
-            prompt = prefixes[choice] + [rng.randrange(3, 49152) for _ in range(n)]
+            prompt = prefixes[choice] + [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
             ids[engine.add_request(prompt, greedy(k, max_tokens=8))] = (prompt, aborted)
         tokens = {i: [] for i in ids}
         for out in engine.step():

@@ -36,10 +36,10 @@ def generate(engine, shape: dict, **sampling) -> list[list[int]]:
 @pytest.mark.slow
 def test_greedy_output_on_the_kernels_is_the_reference_paths(small_models, monkeypatch):
     target, head = small_models
-    engine = build_local_engine(target, head, dtype=torch.float32)
+    engine = build_local_engine(target, head, dtype=torch.float32, num_target_pages=256)
     expected = generate(engine, SHAPES["plain"])
     force_gpu_kernels(monkeypatch)
-    engine = build_local_engine(target, head, dtype=torch.float32)
+    engine = build_local_engine(target, head, dtype=torch.float32, num_target_pages=256)
     for name, shape in SHAPES.items():
         assert generate(engine, shape) == expected, name
     assert generate(engine, SHAPES["chain"], temperature=0.8, top_k=1, seed=5) == expected

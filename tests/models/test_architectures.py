@@ -49,6 +49,11 @@ def hf_model(folder, arch: str):
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64, **moe).eval()
 
 
+def local_engine(folder, head=None, dtype="float64", **overrides):
+    """An in-process engine with no EOS and a cache of 64 pages (the default 1 GiB only costs time)."""
+    return build_local_engine(folder, head, dtype=dtype, eos_token_ids=(), num_target_pages=64, **overrides)
+
+
 def test_every_architecture_of_the_table_has_a_tiny_model():
     assert {model_type(a) for a in ARCHS} == set(ARCHITECTURES)
 
@@ -134,7 +139,7 @@ def test_greedy_speculative_output_equals_hf_greedy(arch, arch_models, prompts):
     """Chains (k = 3) and a draft tree, float64, behind a random EAGLE-3 head."""
     folder, head = arch_models(arch)
     hf = hf_model(folder, arch)
-    engine = build_local_engine(folder, head, dtype="float64", eos_token_ids=())
+    engine = local_engine(folder, head)
     cases = [(prompts[1], SamplingParams(max_tokens=14, num_speculative_tokens=3)),
              (prompts[5], SamplingParams(max_tokens=14, num_speculative_tokens=6, draft_topk=2, draft_depth=3))]
     results = engine.generate([p for p, _ in cases], [sp for _, sp in cases])
@@ -157,7 +162,7 @@ def test_the_training_command_trains_a_head_for_every_architecture(arch, arch_mo
     from eagle_serve.train.__main__ import main
 
     folder, _ = arch_models(arch)
-    engine = build_local_engine(folder, None, dtype="float64", eos_token_ids=())
+    engine = local_engine(folder)
     answers = engine.generate(prompts[:2], SamplingParams(max_tokens=10))
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -169,7 +174,7 @@ def test_the_training_command_trains_a_head_for_every_architecture(arch, arch_mo
           "--out", str(out), "--steps", "3", "--draft-vocab", "64", "--tokens-per-batch", "32"])
     drafter = load_drafter(out, folder, dtype=torch.float64)
     assert drafter.head.version == 3 and drafter.feature_layers == (2, 2, 1)
-    spec = build_local_engine(folder, out, dtype="float64", eos_token_ids=())
+    spec = local_engine(folder, out)
     got = spec.generate(prompts[:2], SamplingParams(max_tokens=10, num_speculative_tokens=2))
     assert [r.token_ids for r in got] == [a.token_ids for a in answers]
 
@@ -185,9 +190,9 @@ def test_verify_passes_reproduce_plain_decoding_bitwise(arch, dtype, arch_models
 
     folder, _ = arch_models(arch)
     seqs = [prompts[1], prompts[2], prompts[5]]
-    plain = [r.token_ids for r in build_local_engine(folder, None, dtype=dtype, eos_token_ids=(),
-                                                     max_running=1).generate(seqs, SamplingParams(max_tokens=9))]
-    engine = build_local_engine(folder, None, dtype=dtype, eos_token_ids=(), max_running=3)
+    plain = [r.token_ids for r in local_engine(folder, dtype=dtype, max_running=1).generate(
+        seqs, SamplingParams(max_tokens=9))]
+    engine = local_engine(folder, dtype=dtype, max_running=3)
     engine.drafter = TreeOracleDrafter([p + e for p, e in zip(seqs, plain)], engine.target.vocab_size)
     shapes = [SamplingParams(max_tokens=9, num_speculative_tokens=4),  # two verify rounds each
               SamplingParams(max_tokens=9, num_speculative_tokens=6, draft_topk=2, draft_depth=3),

@@ -68,7 +68,7 @@ def draft_launches(folder, head, monkeypatch, drafts: int) -> int:
     force_gpu_kernels(monkeypatch)
     engine = build_local_engine(folder, head, dtype=torch.float32, corpus=None, drafter_weights="trained",
                                 draft_call_cost=0.0, draft_step_cost=0.0, draft_min_prob=0.0,
-                                draft_expand_prob=0.0)
+                                draft_expand_prob=0.0, num_target_pages=64)
     with launches_per_call(engine.drafter, "propose") as counts:
         engine.add_request(list(range(5, 14)), SamplingParams(max_tokens=20, ignore_eos=True, context_lookup=False,
                                                               num_speculative_tokens=drafts, draft_topk=1))

@@ -173,7 +173,7 @@ def test_each_published_layout_serves_greedy_output_equal_to_hf(name, written, t
     _, folder, _ = written[name]
     target = targets[CASES[name][4]]
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float64).eval()
-    engine = build_local_engine(target, folder, dtype="float64", eos_token_ids=())
+    engine = build_local_engine(target, folder, dtype="float64", eos_token_ids=(), num_target_pages=64)
     cases = [(prompts[0], SamplingParams(max_tokens=10, num_speculative_tokens=3)),
              (prompts[3], SamplingParams(max_tokens=10, num_speculative_tokens=5, draft_topk=2, draft_depth=3))]
     results = engine.generate([p for p, _ in cases], [sp for _, sp in cases])
@@ -195,11 +195,11 @@ MISMATCHES = {  # name -> (config change, weights change, message)
     "another target's hidden size": (lambda raw: raw | {"target_hidden_size": 96}, None,
                                      "head expects target hidden size 96, target has 64"),
     "t2d of another vocabulary": (None, lambda w: w | {"t2d": torch.ones(32000, dtype=torch.bool)},
-                                  "t2d covers 32000 target ids, the target vocab has 49152"),
+                                  "t2d covers 32000 target ids, the target vocab has 12288"),
     "d2t past the target vocabulary": (None, lambda w: w | {"d2t": w["d2t"] + 46000},
-                                       "d2t .* does not map a draft vocab of 4096 into the target vocab of 49152"),
+                                       "d2t .* does not map a draft vocab of 4096 into the target vocab of 12288"),
     "embedding of another vocabulary": (None, lambda w: w | {"embed_tokens.weight": w["embed_tokens.weight"][:1000]},
-                                        r"embed_tokens is \(1000, 64\), needs \[target vocab 49152, 64\]"),
+                                        r"embed_tokens is \(1000, 64\), needs \[target vocab 12288, 64\]"),
     "draft_vocab_size against lm_head": (lambda raw: raw | {"draft_vocab_size": 32000}, None,
                                          "config draft_vocab_size 32000 != lm_head.weight rows 4096"),
     "layer count against the weights": (layers_x2, None,

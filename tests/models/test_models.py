@@ -68,7 +68,8 @@ def test_published_layouts_load_and_decode_losslessly(tmp_path, tiny_target, pro
     make_random_head(head_dir, tiny_target, version, fmt=fmt if fmt == "safetensors" else "bin", **layout)
     if fmt == "bin":
         assert (head_dir / "pytorch_model.bin").exists()
-    engine = build_local_engine(tiny_target, head_dir, dtype="float64", eos_token_ids=())
+    engine = build_local_engine(tiny_target, head_dir, dtype="float64", eos_token_ids=(),
+                                num_target_pages=64)
     assert engine.drafter.head.version == version
     results = engine.generate(prompts[:3], SamplingParams(max_tokens=12, num_speculative_tokens=3))
     assert [r.token_ids for r in results] == [hf_greedy(p, 12) for p in prompts[:3]]

@@ -14,7 +14,7 @@ def test_greedy_corpus_rows_are_the_engines_greedy_answers_and_a_rerun_resumes(t
     assert generate_corpus(tmp_path / "c", tiny_target, PROMPTS, max_tokens=8, batch=2, dtype="float64") == 1
     rows = {r["prompt"]: r for r in read_corpus(tmp_path / "c")}
     assert sorted(rows) == sorted(PROMPTS) and all("seed" not in r for r in rows.values())
-    engine = build_local_engine(tiny_target, dtype="float64", eos_token_ids=())
+    engine = build_local_engine(tiny_target, dtype="float64", eos_token_ids=(), num_target_pages=64)
     for p in PROMPTS:
         ids = encode_prompt(engine.tokenizer, p)
         assert rows[p]["prompt_ids"] == ids

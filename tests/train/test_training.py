@@ -75,7 +75,7 @@ def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_
     grown = Trainer(rows + extra, tiny_target, tmp_path / "work", cfg)  # corpus grew: new token counts
     assert grown.step == 40 and torch.equal(grown.head.d2t, trainer.head.d2t)
     assert torch.equal(grown.t2d, trainer.t2d)  # labels still map into the checkpoint's vocabulary
-    engine = build_local_engine(tiny_target, out, dtype="float64", eos_token_ids=())
+    engine = build_local_engine(tiny_target, out, dtype="float64", eos_token_ids=(), num_target_pages=64)
     results = engine.generate(prompts[:2], SamplingParams(max_tokens=24, num_speculative_tokens=3))
     assert [r.token_ids for r in results] == [hf_greedy(p, 24) for p in prompts[:2]]
     assert engine.stats.accepted_tokens > 0  # it learned something its target says

@@ -29,7 +29,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 @pytest.fixture(scope="session")
 def local_expected(tiny_models):
     """The in-process engine's greedy output for the same prompts (the reference)."""
-    engine = build_local_engine(tiny_models["target"], None, dtype="float64")
+    engine = build_local_engine(tiny_models["target"], None, dtype="float64", num_target_pages=256)
     cache = {}
 
     def expected(prompt: str, max_tokens: int) -> list[int]:

@@ -147,7 +147,7 @@ def raw_prompt_server(triton_server, tiny_models):
 
 @pytest.fixture(scope="module")
 def local(tiny_models):
-    return build_local_engine(tiny_models["target"], None, dtype="float64")
+    return build_local_engine(tiny_models["target"], None, dtype="float64", num_target_pages=256)
 
 
 def rendered(tokenizer, question: str) -> str:
