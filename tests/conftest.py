@@ -2,8 +2,9 @@
 starts (once per name while in use: triton_pool.ServerPool) the real tritonserver on a copy of
 model_repository/ and returns a `triton_pool.TritonServer` (http_url, grpc_url, metrics_url,
 log_path, repo). A failing test that used one gets the tail of its log in the report.
-`tiny_models` are the float64 tiny Llama (with the default model's tokenizer) and its random heads that `triton_pool.tiny_server`
-serves (exact greedy equality holds). `kernels_on_cpu` sends every kernel dispatcher down its
+`tiny_models` are the float64 tiny Llama (write_tiny_tokenizer's tokenizer and ChatML
+template) and its random heads that `triton_pool.tiny_server` serves (exact greedy equality
+holds). `kernels_on_cpu` sends every kernel dispatcher down its
 GPU path (the Triton kernel, through the interpreter).
 """
 import os
@@ -33,13 +34,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    from eagle_serve import paths
     from eagle_serve.testing import make_random_head, make_tiny_llama
 
     root = tmp_path_factory.mktemp("served-models")
-    target = make_tiny_llama(root / "tiny-llama", tokenizer_from=paths.default_target_dir())
+    target = make_tiny_llama(root / "tiny-llama")
     return {"target": target,
-            "eagle3": make_random_head(root / "eagle3", target, 3, draft_vocab_size=8192),
+            "eagle3": make_random_head(root / "eagle3", target, 3, draft_vocab_size=4096),
             "eagle1": make_random_head(root / "eagle1", target, 1, fc_bias=True, fmt="bin")}
 
 

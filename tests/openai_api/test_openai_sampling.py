@@ -47,10 +47,12 @@ def test_streamed_logprobs_equal_the_whole_answers(api):
 @pytest.mark.parametrize("fields", [dict(frequency_penalty=1.5, presence_penalty=0.5),
                                     dict(repetition_penalty=1.8), dict(bad_words=None)],
                          ids=["frequency+presence", "repetition", "bad_words"])
-def test_penalties_change_the_answer_and_speculation_keeps_it(api, fields):
-    base = chat(api, user(PROMPT), max_tokens=24, extra_body=PLAIN).choices[0].message.content
-    if "bad_words" in fields:  # two words the answer has
-        fields = {"bad_words": base.split()[1:3]}
+def test_penalties_change_the_answer_and_speculation_keeps_it(api, tokenizer, fields):
+    answer = chat(api, user(PROMPT), max_tokens=24, logprobs=True, extra_body=PLAIN).choices[0]
+    base = answer.message.content
+    if "bad_words" in fields:  # two words the answer has, each one of its tokens (as encoded alone)
+        fields = {"bad_words": [t.token for t in answer.logprobs.content if t.token.strip() == t.token
+                                and len(tokenizer.encode(t.token, add_special_tokens=False)) == 1][:2]}
     plain = chat(api, user(PROMPT), max_tokens=24, extra_body={**PLAIN, **fields})
     spec = chat(api, user(PROMPT), max_tokens=24, extra_body=fields)
     assert spec.choices[0].message.content == plain.choices[0].message.content != base

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server (eagle_serve.openai_api) in front of the real tritonserver,
 driven by the official `openai` client.
 
-The tiny float64 Llama (with the default model's tokenizer and chat template) makes greedy
+The tiny float64 Llama (with a tiny byte-level tokenizer and a ChatML template) makes greedy
 text exact, so answers are compared with the ensemble's for the same prompt.
 """
 from __future__ import annotations
@@ -84,9 +84,10 @@ def test_completions_send_the_raw_prompt_streamed_or_not(api, tiny):
 
 def test_stop_strings_end_the_text_before_them_but_not_before_min_tokens(api, tiny, tokenizer):
     full = grpc_generate(tiny.grpc_url, PROMPT, max_tokens=30, ignore_eos=True)
-    stop = decode(tokenizer, full.output_ids[6:8])
-    expected = decode(tokenizer, full.output_ids[:6])
-    assert full.text.index(stop) == len(expected)  # its first match starts at a token boundary
+    # two tokens of the answer, before the 10th, whose text first appears where they start
+    at = next(i for i in range(2, 9) if full.text.index(decode(tokenizer, full.output_ids[i:i + 2]))
+              == len(decode(tokenizer, full.output_ids[:i])))
+    stop, expected = decode(tokenizer, full.output_ids[at:at + 2]), decode(tokenizer, full.output_ids[:at])
     for value in (stop, [stop, "never appears 123"]):
         got = chat(api, user(PROMPT), max_tokens=30, stop=value, extra_body={"ignore_eos": True})
         assert got.choices[0].message.content == expected and got.choices[0].finish_reason == "stop"
@@ -248,7 +249,8 @@ def test_render_and_tokenize_give_the_prompt_ids_a_request_runs_on(api, tokenize
 
 
 def test_a_repeated_prefix_is_served_from_the_cache_with_the_same_answer_and_counted(api, tiny):
-    system = {"role": "system", "content": "You answer questions about the sea. " * 12}
+    # no other test's prompt starts as this one: its first request finds nothing cached
+    system = {"role": "system", "content": "Sea questions get sea answers. " * 12}
     first = chat(api, [system, *user(PROMPT)], max_tokens=12)
     again = chat(api, [system, *user("What lives in the deep sea?")], max_tokens=12)
     same = chat(api, [system, *user(PROMPT)], max_tokens=12)

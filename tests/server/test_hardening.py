@@ -17,6 +17,7 @@ from triton_pool import CHAINS, tiny_server, wait_until
 
 from eagle_serve.client import grpc_generate
 from eagle_serve.server.health import in_flight
+from eagle_serve.testing import TINY_VOCAB
 
 pytestmark = pytest.mark.server
 
@@ -106,7 +107,7 @@ def test_a_client_call_to_an_internal_model_is_refused_and_changes_no_kv(triton_
     assert [g.output_ids for g in outputs] == solo(server.grpc_url, 2, kw)
 
 
-@pytest.mark.parametrize("bad_ids", [[5, -3, 7], [5, 49152, 7], [2 ** 31 - 1]])
+@pytest.mark.parametrize("bad_ids", [[5, -3, 7], [5, TINY_VOCAB, 7], [2 ** 31 - 1]])
 def test_out_of_vocabulary_ids_are_refused_while_other_streams_run_unaffected(
         triton_server, tiny_models, bad_ids):
     server = tiny_server(triton_server, tiny_models, "eagle3")
@@ -115,7 +116,7 @@ def test_out_of_vocabulary_ids_are_refused_while_other_streams_run_unaffected(
     inputs = [tensor("input_ids", np.array([bad_ids], np.int32), "INT32"),
               tensor("max_tokens", np.array([[8]], np.int32), "INT32")]
     _, finals, error = stream_responses(server.grpc_url, "spec_decode", inputs)
-    assert finals == 1 and error is not None and "token ids must be in [0, 49152)" in error, error
+    assert finals == 1 and error is not None and f"token ids must be in [0, {TINY_VOCAB})" in error, error
     outputs = [f.result(timeout=300) for f in running]
     assert all(g.error is None for g in outputs)
     assert [g.output_ids for g in outputs] == solo(server.grpc_url, 2, kw)

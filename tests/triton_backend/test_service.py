@@ -10,7 +10,7 @@ import pytest
 from fake_pb import ids_request, text_request, wait_final
 
 from eagle_serve.core.interfaces import ModelUnavailable
-from eagle_serve.testing import tiny_engine
+from eagle_serve.testing import TINY_VOCAB, tiny_engine
 from eagle_serve.triton_backend.service import SpecDecodeService
 
 POISON = 13  # a token id the failing model wrappers refuse
@@ -84,8 +84,8 @@ def test_streamed_and_whole_answers_end_with_exactly_one_final(pb, tiny_models):
 
 
 @pytest.mark.parametrize("inputs, message", [
-    (dict(input_ids=np.array([[5, -1, 6]], np.int32)), "token ids must be in [0, 49152)"),
-    (dict(input_ids=np.array([[5, 49152]], np.int32)), "token ids must be in [0, 49152)"),
+    (dict(input_ids=np.array([[5, -1, 6]], np.int32)), f"token ids must be in [0, {TINY_VOCAB})"),
+    (dict(input_ids=np.array([[5, TINY_VOCAB]], np.int32)), f"token ids must be in [0, {TINY_VOCAB})"),
     (dict(text_input=np.array([[b"hi"]], object), temperature=np.array([[np.nan]], np.float32)),
      "temperature must be a finite number"),
     (dict(text_input=np.array([[b"hi"]], object), temperature=np.array([[np.inf]], np.float32)),
