@@ -156,8 +156,8 @@ class FeatureStore:
         """where [N]: rows from `plan`, on features' device; features [N, F]."""
         if not features.shape[0]:
             return
-        if self.data is None:
-            self.data = features.new_zeros((len(self.whole), self.page_size, features.shape[1]))
+        if self.data is None:  # uninitialised: only whole pages are ever read (`run`, `gather`)
+            self.data = features.new_empty((len(self.whole), self.page_size, features.shape[1]))
         self.data.view(-1, features.shape[1]).index_copy_(0, where, features.to(self.data.dtype))
 
     def run(self, pages: list[int]) -> int:
