@@ -311,6 +311,17 @@ def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, d
     return build_local_engine(target_dir, head_dir, dtype=dtype, **{**TEST_ENGINE, **overrides})
 
 
+def local_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, dtype="float64",
+                 **overrides):
+    """An in-process engine with the served settings (not TEST_ENGINE's), no EOS and 64 KV
+    pages, unless `overrides` say otherwise: the default cache (1 GiB, zeroed) costs a tiny
+    model more than its run."""
+    from eagle_serve.local import build_local_engine
+
+    return build_local_engine(target_dir, head_dir, dtype=dtype,
+                              **{"eos_token_ids": (), "num_target_pages": 64, **overrides})
+
+
 def assert_drafts_verify_to_plain(engine, prompts: list[list[int]], max_tokens: int = 16) -> list:
     """Greedy chains and trees on `engine` give exactly its plain decoding's tokens, and draft
     -> plain decoding's token lists."""

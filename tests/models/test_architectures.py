@@ -15,10 +15,16 @@ from eagle_serve.core.interfaces import RaggedBatch, ancestor_mask
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.engine import SamplingParams
 from eagle_serve.kernels.cpu import cpu_kernels
-from eagle_serve.local import build_local_engine
 from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.models.target import ARCHITECTURES, TargetModel, UnsupportedArchitecture
-from eagle_serve.testing import TINY_ARCHITECTURES, gguf_weight, hf_generate_greedy, make_random_head, make_tiny_target
+from eagle_serve.testing import (
+    TINY_ARCHITECTURES,
+    gguf_weight,
+    hf_generate_greedy,
+    local_engine,
+    make_random_head,
+    make_tiny_target,
+)
 
 ARCHS = list(TINY_ARCHITECTURES)
 
@@ -47,11 +53,6 @@ def hf_model(folder, arch: str):
     """HF's model in float64 (MoE experts by HF's eager loop: its grouped GEMM has no float64)."""
     moe = {"experts_implementation": "eager"} if ARCHITECTURES[model_type(arch)].moe else {}
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64, **moe).eval()
-
-
-def local_engine(folder, head=None, dtype="float64", **overrides):
-    """An in-process engine with no EOS and a cache of 64 pages (the default 1 GiB only costs time)."""
-    return build_local_engine(folder, head, dtype=dtype, eos_token_ids=(), num_target_pages=64, **overrides)
 
 
 def test_every_architecture_of_the_table_has_a_tiny_model():

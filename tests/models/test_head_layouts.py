@@ -16,11 +16,10 @@ from transformers import AutoModelForCausalLM
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.engine import SamplingParams
-from eagle_serve.local import build_local_engine
 from eagle_serve.models.checkpoints import CheckpointError, load_drafter, load_head
 from eagle_serve.models.heads import layer_config, random_head
 from eagle_serve.models.target import load_target_config
-from eagle_serve.testing import hf_generate_greedy, make_tiny_llama, write_head_layout
+from eagle_serve.testing import hf_generate_greedy, local_engine, make_tiny_llama, write_head_layout
 
 # name -> (layout, head kind, random_head fields, extra config fields, target)
 CASES = {
@@ -173,7 +172,7 @@ def test_each_published_layout_serves_greedy_output_equal_to_hf(name, written, t
     _, folder, _ = written[name]
     target = targets[CASES[name][4]]
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float64).eval()
-    engine = build_local_engine(target, folder, dtype="float64", eos_token_ids=(), num_target_pages=64)
+    engine = local_engine(target, folder)
     cases = [(prompts[0], SamplingParams(max_tokens=10, num_speculative_tokens=3)),
              (prompts[3], SamplingParams(max_tokens=10, num_speculative_tokens=5, draft_topk=2, draft_depth=3))]
     results = engine.generate([p for p, _ in cases], [sp for _, sp in cases])

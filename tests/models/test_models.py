@@ -11,10 +11,9 @@ from eagle_serve import paths
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
-from eagle_serve.local import build_local_engine
 from eagle_serve.models.checkpoints import CheckpointError, load_drafter, load_head
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import make_random_head, ragged_prefill
+from eagle_serve.testing import local_engine, make_random_head, ragged_prefill
 
 
 def check_against_hf(folder, dtype, prompts, tol, page_size=5):
@@ -68,8 +67,7 @@ def test_published_layouts_load_and_decode_losslessly(tmp_path, tiny_target, pro
     make_random_head(head_dir, tiny_target, version, fmt=fmt if fmt == "safetensors" else "bin", **layout)
     if fmt == "bin":
         assert (head_dir / "pytorch_model.bin").exists()
-    engine = build_local_engine(tiny_target, head_dir, dtype="float64", eos_token_ids=(),
-                                num_target_pages=64)
+    engine = local_engine(tiny_target, head_dir)
     assert engine.drafter.head.version == version
     results = engine.generate(prompts[:3], SamplingParams(max_tokens=12, num_speculative_tokens=3))
     assert [r.token_ids for r in results] == [hf_greedy(p, 12) for p in prompts[:3]]

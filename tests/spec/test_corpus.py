@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.core.tokenization import encode_prompt
-from eagle_serve.local import build_local_engine
+from eagle_serve.testing import local_engine
 from eagle_serve.train.corpus import generate_corpus, read_corpus
 
 PROMPTS = ["Why is the sky blue?", "Write a haiku about tea.", "What is 2 + 2?"]
@@ -14,7 +14,7 @@ def test_greedy_corpus_rows_are_the_engines_greedy_answers_and_a_rerun_resumes(t
     assert generate_corpus(tmp_path / "c", tiny_target, PROMPTS, max_tokens=8, batch=2, dtype="float64") == 1
     rows = {r["prompt"]: r for r in read_corpus(tmp_path / "c")}
     assert sorted(rows) == sorted(PROMPTS) and all("seed" not in r for r in rows.values())
-    engine = build_local_engine(tiny_target, dtype="float64", eos_token_ids=(), num_target_pages=64)
+    engine = local_engine(tiny_target)
     for p in PROMPTS:
         ids = encode_prompt(engine.tokenizer, p)
         assert rows[p]["prompt_ids"] == ids

@@ -7,10 +7,10 @@ import torch
 
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
-from eagle_serve.local import build_local_engine
 from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.models.heads import random_head
 from eagle_serve.models.target import TargetModel
+from eagle_serve.testing import local_engine
 from eagle_serve.train.trainer import (
     TrainConfig,
     Trainer,
@@ -75,7 +75,7 @@ def test_a_few_training_steps_lower_the_loss_and_the_head_serves(tmp_path, tiny_
     grown = Trainer(rows + extra, tiny_target, tmp_path / "work", cfg)  # corpus grew: new token counts
     assert grown.step == 40 and torch.equal(grown.head.d2t, trainer.head.d2t)
     assert torch.equal(grown.t2d, trainer.t2d)  # labels still map into the checkpoint's vocabulary
-    engine = build_local_engine(tiny_target, out, dtype="float64", eos_token_ids=(), num_target_pages=64)
+    engine = local_engine(tiny_target, out)
     results = engine.generate(prompts[:2], SamplingParams(max_tokens=24, num_speculative_tokens=3))
     assert [r.token_ids for r in results] == [hf_greedy(p, 24) for p in prompts[:2]]
     assert engine.stats.accepted_tokens > 0  # it learned something its target says
