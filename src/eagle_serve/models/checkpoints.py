@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
 
 from eagle_serve.cpu.matmul import round_linears_to_q8_0, use_cpu_linears, use_int8_activations
 from eagle_serve.cpu.norm import use_cpu_norms
@@ -39,8 +38,9 @@ from eagle_serve.cpu.quant import int8_activations_run
 from eagle_serve.kernels.layer_ops import fused_layers_run
 from eagle_serve.models.cpu_stack import head_stack
 from eagle_serve.models.drafter import Drafter
+from eagle_serve.models.head_layer import HeadLayer
 from eagle_serve.models.heads import HEAD_KINDS, EagleHead, HeadSpec
-from eagle_serve.models.target import load_target_config
+from eagle_serve.models.target import read_target_shape
 from eagle_serve.settings import DRAFTER_WEIGHTS
 
 
@@ -49,9 +49,6 @@ class CheckpointError(ValueError):
 
 
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "parallel_drafting")
-LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_theta",
-                "rope_scaling", "rope_parameters", "hidden_act")
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -90,6 +87,8 @@ class HeadCheckpoint:
 
 
 def read_head(folder: str | Path, target_config) -> HeadCheckpoint:
+    """target_config: the target's TargetShape or HF config (hidden_size, vocab_size,
+    num_hidden_layers are read)."""
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
@@ -135,7 +134,7 @@ def _refuse_unsupported(folder: Path, raw: dict, layer_raw: dict) -> None:
 def _spec(folder, raw, layer_raw, state, kind, target_config, speculators) -> HeadSpec:
     """What the config and the weights say the head is; biases, q/k norms and the number of
     layers from the weights, the rest of the layer shape from the config."""
-    layer = LlamaConfig(**{k: layer_raw[k] for k in LAYER_FIELDS if layer_raw.get(k) is not None})
+    layer = HeadLayer.from_config(layer_raw)
     indices = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
     num_layers = len(indices)
     declared = layer_raw.get("num_hidden_layers", num_layers)
@@ -177,7 +176,7 @@ def _fit_problems(spec: HeadSpec, embed, target) -> list[str]:
 
 def load_head(folder: str | Path, target_dir: str | Path, dtype=torch.float32,
               device="cpu") -> EagleHead:
-    return _build(read_head(folder, load_target_config(target_dir)), folder, dtype, device)
+    return _build(read_head(folder, read_target_shape(target_dir)), folder, dtype, device)
 
 
 def _build(ckpt: HeadCheckpoint, folder, dtype, device) -> EagleHead:
@@ -199,7 +198,7 @@ def load_drafter(folder: str | Path, target_dir: str | Path, *, dtype=torch.floa
     if weights not in DRAFTER_WEIGHTS:
         raise ValueError(f"drafter weights must be one of {DRAFTER_WEIGHTS}, got {weights!r}")
     target_dir = Path(target_dir)
-    ckpt = read_head(folder, load_target_config(target_dir))
+    ckpt = read_head(folder, read_target_shape(target_dir))
     head = _build(ckpt, folder, dtype, device)
     # the CPU's own kernels, unless the layers run on the GPU path's (tests force it on CPU)
     cpu = torch.device(device).type == "cpu" and not fused_layers_run(torch.empty(0, dtype=dtype))

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
 
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.cpu.matmul import CpuLinear, fuse_linears
@@ -25,6 +24,12 @@ from eagle_serve.kernels.rowwise_attention import attention_plan
 from eagle_serve.models.paged import PagedKVCache
 
 _NONE = torch.empty(0)
+
+
+def is_silu(act) -> bool:
+    """transformers names its SiLU module SiLUActivation (5.2x) or uses torch's (earlier); by
+    name, so that a drafter process need not import transformers' activations."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class CpuDecoderStack:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
             if not (all(isinstance(n, CpuRMSNorm) and not n.plus_one for n in norms)
                     and all(isinstance(m, CpuLinear) and m.cpu_kernel for m in linears)
-                    and isinstance(layer.act, (SiLUActivation, nn.SiLU))
+                    and is_silu(layer.act)
                     and (layer.in_norm is not None or i == 0)):
                 return None
             eps |= {n.eps for n in norms}

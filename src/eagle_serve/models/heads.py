@@ -24,19 +24,19 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.cpu.matmul import fuse_linears
 from eagle_serve.kernels.layer_ops import add_rms_norm, fused_layers_run, silu_mul
+from eagle_serve.models import head_layer
+from eagle_serve.models.head_layer import HeadLayer, Rotary
 from eagle_serve.models.paged import PagedKVCache, paged_attention_step
 
 
 @dataclass(frozen=True)
 class HeadSpec:
     """What a head is: read from its config.json and weight shapes."""
-    layer: LlamaConfig                # shape of its decoder layers (hidden, heads, MLP, RoPE, eps)
+    layer: HeadLayer                  # shape of its decoder layers (hidden, heads, MLP, RoPE, eps)
     target_hidden_size: int
     draft_vocab_size: int             # == the target's vocabulary for EAGLE-1 / heads without d2t
     num_layers: int = 1
@@ -88,8 +88,8 @@ def _on_kernels(x: torch.Tensor) -> bool:
     return fused_layers_run(x) and not torch.is_grad_enabled()
 
 
-class RMSNorm(LlamaRMSNorm):
-    """HF's LlamaRMSNorm (its weight, its arithmetic): one launch on the GPU path."""
+class RMSNorm(head_layer.RMSNorm):
+    """LlamaRMSNorm's weight and arithmetic: one launch on the GPU path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _on_kernels(x):
@@ -172,7 +172,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.spec = spec
         self.head_dim = spec.head_dim
-        self.rotary = LlamaRotaryEmbedding(spec.layer)
+        self.rotary = Rotary(spec.layer)
 
     @property
     def num_layers(self) -> int:
@@ -363,13 +363,13 @@ def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def layer_config(target_config, **overrides) -> LlamaConfig:
+def layer_config(target_config, **overrides) -> HeadLayer:
     """A head layer config shaped like the target's layers (Llama layers, the target's sizes)."""
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size")
     values = {k: getattr(target_config, k) for k in keep if getattr(target_config, k, None) is not None}
     values["rope_parameters"] = {"rope_type": "default", "rope_theta": _rope_theta(target_config)}
-    return LlamaConfig(**(values | overrides))
+    return HeadLayer(**(values | overrides))
 
 
 def _rope_theta(config) -> float:

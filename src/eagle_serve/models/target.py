@@ -10,6 +10,7 @@ ones. Knows nothing about requests, page allocation or sampling policy.
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle_serve.core.interfaces import RaggedBatch, RowSampling, TargetOutput
 from eagle_serve.core.processors import LogitsProcessors, apply_processors, min_p_mask
@@ -36,7 +36,7 @@ from eagle_serve.kernels import on
 from eagle_serve.kernels.cpu import amx_tiles
 from eagle_serve.kernels.layer_ops import add_rms_norm, fused_layers_run, silu_mul
 from eagle_serve.kernels.sampling import compute_probs
-from eagle_serve.models.cpu_stack import CpuDecoderStack, StackLayer, StackShape
+from eagle_serve.models.cpu_stack import CpuDecoderStack, StackLayer, StackShape, is_silu
 from eagle_serve.models.graphs import TargetGraphs, graphable
 from eagle_serve.models.paged import PagedKVCache, paged_attention_step
 from eagle_serve.settings import TARGET_ACTIVATIONS
@@ -90,9 +90,37 @@ def architecture_of(config) -> Architecture:
 
 def load_target_config(folder: str | Path):
     """The target's HF config, checked against ARCHITECTURES."""
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(str(folder))
     architecture_of(config)
     return config
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What a head is checked and shaped against, read from the target's config.json alone: a
+    drafter process needs no more of the target, nor transformers' config machinery."""
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    architectures: tuple[str, ...] = ()
+
+
+def read_target_shape(folder: str | Path) -> TargetShape:
+    """TargetShape of the target in `folder`, checked against ARCHITECTURES."""
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{folder}: the target's config.json is missing")
+    raw = json.loads(path.read_text())
+    missing = [k for k in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers") if k not in raw]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)}")
+    shape = TargetShape(raw["model_type"], raw["hidden_size"], raw["vocab_size"], raw["num_hidden_layers"],
+                        tuple(raw.get("architectures") or ()))
+    architecture_of(shape)
+    return shape
 
 
 @dataclass(frozen=True)
@@ -108,11 +136,6 @@ def _add_norm(delta: torch.Tensor | None, h: torch.Tensor, norm: nn.Module) -> t
     """(norm(h + delta), h + delta) in one launch (delta None: h alone)"""
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
     return add_rms_norm(h, None, norm.weight, eps) if delta is None else add_rms_norm(delta, h, norm.weight, eps)
-
-
-def _is_silu(act) -> bool:
-    # transformers names its SiLU module SiLUActivation (5.2x) or uses torch's (earlier)
-    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 class TargetModel:
@@ -131,6 +154,8 @@ class TargetModel:
         self.config = cfg = load_target_config(folder)
         self.arch = arch = architecture_of(cfg)
         moe = {"experts_implementation": "eager"} if arch.moe else {}  # any dtype, any device
+        from transformers import AutoModelForCausalLM
+
         self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **moe).to(device).eval()
         # Llama-like norms (weight * normed, one before each sublayer): the GPU runs the fused
         # layer kernels (eagle_serve.kernels.layer_ops)
@@ -313,7 +338,7 @@ class TargetModel:
                 aux[idx] = h
             delta = self._attention(idx, layer.self_attn, x, rope[plan.rope], batch)
             x, h = _add_norm(delta, h, layer.post_attention_layernorm)
-            if plan.gate_up is not None and _is_silu(plan.act):
+            if plan.gate_up is not None and is_silu(plan.act):
                 delta = layer.mlp.down_proj(silu_mul(plan.gate_up(x)))
             else:
                 delta = self._mlp(plan, layer.mlp, x)
