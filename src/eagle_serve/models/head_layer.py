@@ -3,8 +3,9 @@ transformers' Llama arithmetic (LlamaConfig's defaults, LlamaRMSNorm, LlamaRotar
 
 Ours rather than transformers' because importing transformers' configuration or modeling code
 brings torch._dynamo and torch.distributed with it, which would make that import most of a
-drafter process's start-up work for no more than a config and a cosine table. RoPE kinds other than the default still come from transformers
-(`ROPE_INIT_FUNCTIONS` through LlamaRotaryEmbedding), imported when a head uses one.
+drafter process's start-up work for no more than a config and a cosine table. RoPE kinds other
+than the default still come from transformers (`ROPE_INIT_FUNCTIONS` through
+LlamaRotaryEmbedding), imported when a head uses one.
 """
 from __future__ import annotations
 
