@@ -7,6 +7,7 @@ template) and its random heads that `triton_pool.tiny_server` serves (exact gree
 holds). `kernels_on_cpu` sends every kernel dispatcher down its
 GPU path (the Triton kernel, through the interpreter).
 """
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -76,14 +77,27 @@ def no_idle_servers(triton_server):
 
 
 def pytest_collection_modifyitems(items):
-    """Modules with `server` or `slow` tests, or in a SHARED_SERVERS unit, first (in their order,
-    each kept whole; a unit's in the unit's order). xdist's loadfile then hands out
-    modules (units) by their number of tests, this order breaking ties; handing them out in
-    this order (--no-loadscope-reorder) ran both workers' servers at once and took memory to
-    within 1.4 GB of the 24 GiB."""
-    heavy = {item.module for item in items if item.get_closest_marker("server") or item.get_closest_marker("slow")
-             or item.nodeid.split("::")[0] in _UNIT}
-    items.sort(key=lambda item: (item.module not in heavy, _IN_UNIT.get(item.nodeid.split("::")[0], 0)))
+    """Work units (a module, or a SHARED_SERVERS unit) in the order the workers take them
+    (pytest_xdist_make_scheduler): those that start servers alternating with those holding
+    slow tests, then the rest, each group by its number of tests, largest first. The long
+    units first and the many short ones last keep both workers busy to the end; alternating
+    keeps the two workers from starting servers at the same time."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(_unit_of(item.nodeid), []).append(item)
+
+    def marked(unit: str, name: str) -> bool:
+        return any(item.get_closest_marker(name) for item in units[unit])
+
+    def by_size(names) -> list[str]:
+        return sorted(names, key=lambda unit: -len(units[unit]))
+
+    server = by_size(u for u in units if marked(u, "server") or u in SHARED_SERVERS)
+    slow = by_size(u for u in units if u not in server and marked(u, "slow"))
+    rest = by_size(u for u in units if u not in server and u not in slow)
+    alternating = [u for pair in itertools.zip_longest(server, slow) for u in pair if u is not None]
+    items[:] = [item for unit in alternating + rest
+                for item in sorted(units[unit], key=lambda item: _IN_UNIT.get(item.nodeid.split("::")[0], 0))]
 
 
 # Modules asking for the same servers, each first for the one the module before it asked for
@@ -103,16 +117,22 @@ _UNIT = {module: unit for unit, modules in SHARED_SERVERS.items() for module in 
 _IN_UNIT = {module: i for modules in SHARED_SERVERS.values() for i, module in enumerate(modules)}
 
 
+def _unit_of(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return _UNIT.get(module, module)
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile, but the modules of each SHARED_SERVERS entry are one unit."""
+    """--dist loadfile, but the modules of each SHARED_SERVERS entry are one unit, and units are
+    handed out in collection order (pytest_collection_modifyitems), not by their size."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class ByServer(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = super()._split_scope(nodeid)
-            return _UNIT.get(file, file)
+            return _unit_of(nodeid)
+    config.option.loadscopereorder = False
     return ByServer(config, log)
 
 

@@ -139,6 +139,7 @@ def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_output(tiny_
 
 # ---- sampled requests: the masked target law, exactly ----
 
+@pytest.mark.slow
 def test_sampled_output_with_min_tokens_follows_the_target_law_with_eos_masked(tmp_path):
     """A 6-token vocabulary (drafts are often accepted, and often EOS): the four tokens of n
     seeded requests with min_tokens = 3 (EOS banned on the rows of a round's first two drafts

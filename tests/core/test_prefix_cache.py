@@ -168,6 +168,7 @@ def default_engine_kv():
     return kv_after
 
 
+@pytest.mark.slow
 def test_a_page_computed_in_a_long_prefill_equals_it_computed_alone_bitwise(default_engine_kv):
     rng = random.Random(5)
     prompt = [rng.randrange(3, 49152) for _ in range(64)]
@@ -177,6 +178,7 @@ def test_a_page_computed_in_a_long_prefill_equals_it_computed_alone_bitwise(defa
         assert torch.equal(a[:, :2], b[:, :2])  # the 2 full pages
 
 
+@pytest.mark.slow
 def test_a_prompt_computed_in_chunks_gives_bitwise_the_kv_of_one_prefill(default_engine_kv):
     rng = random.Random(6)
     prompt = [rng.randrange(3, 49152) for _ in range(4 * PAGE)]

@@ -74,6 +74,7 @@ def test_random_kernel_without_drafts_emits_only_bonus_tokens():
     assert kernel[1].tolist() == ref[1].tolist() == [1, 1]
 
 
+@pytest.mark.slow
 def test_random_kernel_reproduces_the_target_distribution_over_two_positions():
     """As the reference's test, with n trials as one batch of n requests (2 drafts each)."""
     torch.manual_seed(0)

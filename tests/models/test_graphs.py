@@ -41,6 +41,7 @@ def folder(tmp_path_factory):
 CASES = {"decode": [[40], [41], [42]], "verify": [[40, 50, 60, 70], [41, 51], [42, 52, 62]]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["decode", "verify", "tree"])
 def test_a_padded_batch_gives_its_rows_what_the_unpadded_forward_gives(folder, monkeypatch, case):
     force_gpu_kernels(monkeypatch)

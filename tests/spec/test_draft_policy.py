@@ -310,6 +310,7 @@ def assert_follows_exact_law(results, target_dir, prompt: list[int], temperature
     assert chi2_pvalue(counts, law) > ALPHA  # nothing outside its support
 
 
+@pytest.mark.slow
 def test_sampled_chains_sized_by_acceptance_and_cut_by_confidence_follow_the_target_distribution(
         tmp_path):
     """A 6-token vocabulary so that draft and target overlap: the first four tokens of n
@@ -334,6 +335,7 @@ def test_sampled_chains_sized_by_acceptance_and_cut_by_confidence_follow_the_tar
     assert_follows_exact_law(results, target_dir, prompt, temperature, top_k)
 
 
+@pytest.mark.slow
 def test_sampled_chains_with_lookup_branches_follow_the_target_distribution(tmp_path):
     """As above, with context lookups beside the head's chain (a prompt that repeats itself, so
     they fire): a tree whose lookup nodes are one-hot proposals, verified by recursive rejection
