@@ -1,6 +1,6 @@
 """The engine on its GPU path: every dispatcher runs its Triton kernel (through the interpreter,
-on CPU tensors) and greedy output stays that of the reference path, for plain decoding, chains
-and draft trees; so does a sampled chain with top_k = 1 (the sampled path's kernels on a
+on CPU tensors) and greedy output stays that of the reference path, for two requests of
+different lengths batched, in plain decoding, chains and draft trees; so does a sampled chain with top_k = 1 (the sampled path's kernels on a
 one-hot distribution: probabilities, sampling, rejection and recovery must all pick the argmax).
 Kernel tests check each kernel alone on the shapes they build; this checks them on what the
 target and the drafter actually pass (views of wider rows, real page tables)."""
@@ -30,7 +30,7 @@ SHAPES = {"plain": dict(num_speculative_tokens=0),
 
 def generate(engine, shape: dict, **sampling) -> list[list[int]]:
     params = SamplingParams(max_tokens=12, ignore_eos=True, **shape, **sampling)
-    return [engine.generate([p], params)[0].token_ids for p in PROMPTS]
+    return [r.token_ids for r in engine.generate(PROMPTS, params)]
 
 
 @pytest.mark.slow
