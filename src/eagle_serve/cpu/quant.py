@@ -142,27 +142,35 @@ def _holds_blocks(folder: str) -> bool:
 def _blocks(w: torch.Tensor, kind: str):
     """w [N, K] -> (q [N, K/32, 32] int, d [N, K/32], m [N, K/32] or None) rebuilding w bitwise
     (d * q exact in fp32, + m rounded once: what one FMA and the dequantizer's multiply-add
-    both give), or None"""
+    both give), or None. The estimated scale is tried on every block at once; its fp16
+    neighbours only on the blocks it missed."""
     b = w.reshape(w.shape[0], -1, BLOCK)  # [N, B, 32]
-    m = b.amin(-1) if kind == "q4_1" else None
-    spread = b.amax(-1) - m if kind == "q4_1" else b.abs().amax(-1)
+    m = b.amin(-1, keepdim=True) if kind == "q4_1" else None  # [N, B, 1]
+    spread = b.amax(-1, keepdim=True) - m if m is not None else b.abs().amax(-1, keepdim=True)
     low, high = (0, 15) if kind == "q4_1" else (-128, 127)
-    guess = (spread / _LEVELS[kind]).to(torch.float16).view(torch.int16)
-    q = torch.zeros_like(b)
-    d = torch.zeros_like(spread)
-    todo = torch.ones_like(spread, dtype=torch.bool)
-    for step in _SCALE_STEPS:
-        idx = todo.nonzero(as_tuple=True)
-        cand = (guess[idx] + step).view(torch.float16).float()  # [T]
-        blk = b[idx] - (m[idx][:, None] if m is not None else 0)
-        qc = torch.where(cand[:, None] > 0, blk / cand[:, None], 0).round().clamp(low, high) + 0.0  # no -0
-        rebuilt = cand[:, None] * qc + (m[idx][:, None] if m is not None else 0)
-        good = (rebuilt.view(torch.int32) == b[idx].view(torch.int32)).all(-1)
+    guess = (spread / _LEVELS[kind]).to(torch.float16).view(torch.int16)  # [N, B, 1]
+    shifted = b - m if m is not None else b
+
+    def attempt(scale, blocks, min_, original):
+        """scale [..., 1] -> (q [..., 32], whether scale * q + min_ rebuilds each block [...])"""
+        q = torch.where(scale > 0, blocks / scale, 0).round_().clamp_(low, high).add_(0.0)  # no -0
+        rebuilt = scale * q + min_
+        return q, (rebuilt.view(torch.int32) == original.view(torch.int32)).all(-1)
+
+    scale = guess.view(torch.float16).float()
+    q, found = attempt(scale, shifted, 0 if m is None else m, b)
+    d = scale.squeeze(-1)  # [N, B]
+    for step in _SCALE_STEPS[1:]:
+        if found.all():
+            break
+        idx = (~found).nonzero(as_tuple=True)
+        cand = (guess[idx] + step).view(torch.float16).float()  # [T, 1]
+        qc, good = attempt(cand, shifted[idx], 0 if m is None else m[idx], b[idx])
         sel = tuple(i[good] for i in idx)
-        q[sel], d[sel], todo[sel] = qc[good], cand[good], False
-        if not todo.any():
-            return q, d, m
-    return None
+        q[sel], d[sel], found[sel] = qc[good], cand[good].squeeze(-1), True
+    if not found.all():
+        return None
+    return q, d, None if m is None else m.squeeze(-1)
 
 
 def _pack(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> BlockWeight:
