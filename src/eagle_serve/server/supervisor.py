@@ -25,6 +25,7 @@ from eagle_serve.server.processes import missing_stubs, python_models
 POLL_S = 1.0
 DEAD_GRACE_S = 5.0  # after a model process died, before stopping the server ourselves
 STOP_TIMEOUT_S = 20.0
+STUB_POLL_S = 0.1  # while a server with a dead model process stops
 
 
 def log(message: str) -> None:
@@ -82,15 +83,13 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
         died, was_ready = _watch(child, models, http_port, lambda: stopping)
         if died:
             log(f"model process(es) {died} died; restarting tritonserver")
-            try:  # spec_decode fails the open requests with the reason and stops the server
-                child.wait(DEAD_GRACE_S)
+            code = _stop_after_death(child, models)
+        else:
+            try:
+                code = child.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                child.send_signal(signal.SIGTERM)
-        try:
-            code = child.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            code = child.wait()
+                child.kill()
+                code = child.wait()
         if stopping:
             return code
         # a server that never got ready will not get ready by trying again and again; one that
@@ -100,6 +99,30 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
             log(f"tritonserver exited {fast_failures} times before it was ready; giving up")
             return code or 1
         log(f"tritonserver exited with code {code}; restarting")
+
+
+def _stop_after_death(child: subprocess.Popen, models: list[str]) -> int:
+    """End a server one of whose model processes died -> its exit code. spec_decode fails the
+    open requests with the reason and stops the server (if it has not within DEAD_GRACE_S, a
+    SIGTERM does); once the live models have unloaded, the server is killed: it would otherwise
+    wait out its whole exit timeout for the dead model, which never unloads."""
+    term_at, kill_at = time.monotonic() + DEAD_GRACE_S, time.monotonic() + DEAD_GRACE_S + STOP_TIMEOUT_S
+    while child.poll() is None:
+        now = time.monotonic()
+        try:
+            unloaded = len(missing_stubs(psutil.Process(child.pid), models)) == len(models)
+        except psutil.Error:  # it exited while we looked
+            continue
+        if unloaded or now > kill_at:
+            log("the live models unloaded; ending tritonserver (the dead one never unloads)" if unloaded
+                else f"tritonserver did not stop within {STOP_TIMEOUT_S:.0f} s; killing it")
+            child.kill()
+            break
+        if term_at is not None and now > term_at:
+            child.send_signal(signal.SIGTERM)
+            term_at = None
+        time.sleep(STUB_POLL_S)
+    return child.wait()
 
 
 def _watch(child: subprocess.Popen, models: list[str], http_port: int,
