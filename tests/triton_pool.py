@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle_serve import paths
-from eagle_serve.server.launch import TritonServer, free_ports, launch, signal_group
+from eagle_serve.server.launch import STOP_TIMEOUT_S, TritonServer, free_ports, launch, signal_group
 from eagle_serve.server.serve import server_environment
 from eagle_serve.triton_backend.repo_config import copy_repository
 
@@ -45,6 +45,7 @@ class ServerPool:
         self._requests: dict[str, tuple] = {}
         self._failures: dict[str, BaseException] = {}
         self._starts = 0
+        self._retiring: list[tuple[TritonServer, float]] = []  # SIGTERM sent, not reaped
 
     def __call__(self, name: str, models: list[str] | None = None,
                  overrides: dict[str, dict[str, str]] | None = None,
@@ -61,6 +62,7 @@ class ServerPool:
             self.servers[name] = self.servers.pop(name)  # most recently asked for: last
         else:
             self._make_room()
+            self._reap()
             self._starts += 1
             folder = self.workdir / name / f"start{self._starts}"
             folder.mkdir(parents=True)
@@ -76,25 +78,40 @@ class ServerPool:
     def _make_room(self) -> None:
         idle = [name for name in self.servers if self._asked_by[name] != self.module and name not in self.keep]
         while len(self.servers) >= self.max_live and idle:
-            self.servers.pop(idle.pop(0)).stop()
+            self._retire(self.servers.pop(idle.pop(0)))
         while len(self.servers) >= self.max_module:
             oldest = sorted(self.servers, key=lambda name: name in self.keep)[0]
-            self.servers.pop(oldest).stop()
+            self._retire(self.servers.pop(oldest))
 
     def stop_idle(self) -> None:
         """Stop the live servers the running module has not asked for: before a test starts
         servers of its own (`make serve`, replicas), beside which an idle one is only memory."""
         for name in [name for name in self.servers if self._asked_by[name] != self.module]:
-            self.servers.pop(name).stop()
+            self._retire(self.servers.pop(name))
+
+    def _retire(self, server: TritonServer) -> None:
+        """SIGTERM now, reaped at the next start or at close: tritonserver's unload is seconds of
+        mostly waiting (it checks its models once a second), which no test needs to wait for."""
+        self._reap()
+        if server.process.poll() is None:
+            signal_group(server.process.pid, signal.SIGTERM)
+        self._retiring.append((server, time.monotonic()))
+
+    def _reap(self, wait: bool = False) -> None:
+        """Finish stopping the retired servers that exited (all with `wait`), and those that
+        outlived STOP_TIMEOUT_S (their process groups killed)."""
+        for entry in list(self._retiring):
+            server, since = entry
+            if wait or server.process.poll() is not None or time.monotonic() - since > STOP_TIMEOUT_S:
+                server.stop()
+                self._retiring.remove(entry)
 
     def close(self) -> None:
         """Every server stopped, all at once (each may take seconds to drain)."""
         for server in self.servers.values():
-            if server.process.poll() is None:
-                signal_group(server.process.pid, signal.SIGTERM)
-        for server in self.servers.values():
-            server.stop()
+            self._retire(server)
         self.servers.clear()
+        self._reap(wait=True)
 
 
 def default_server(pool: ServerPool) -> TritonServer:
