@@ -92,7 +92,6 @@ class ServerPool:
     def _retire(self, server: TritonServer) -> None:
         """SIGTERM now, reaped at the next start or at close: tritonserver's unload is seconds of
         mostly waiting (it checks its models once a second), which no test needs to wait for."""
-        self._reap()
         if server.process.poll() is None:
             signal_group(server.process.pid, signal.SIGTERM)
         self._retiring.append((server, time.monotonic()))

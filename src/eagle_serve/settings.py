@@ -346,8 +346,16 @@ class EngineConfig:
         return _with(self, values)
 
 
+def model_config(target_dir: Path) -> dict:
+    """A model folder's config.json as written (no transformers: a drafter process reads it)."""
+    path = Path(target_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{target_dir}: the model's config.json is missing")
+    return json.loads(path.read_text())
+
+
 def _text_config(target_dir: Path) -> dict:
-    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    cfg = model_config(target_dir)
     return cfg.get("text_config", cfg)
 
 

@@ -1,9 +1,10 @@
 """The engine on its GPU path: every dispatcher runs its Triton kernel (through the interpreter,
 on CPU tensors) and greedy output stays that of the reference path, for two requests of
-different lengths batched, in plain decoding, chains and draft trees; so does a sampled chain with top_k = 1 (the sampled path's kernels on a
-one-hot distribution: probabilities, sampling, rejection and recovery must all pick the argmax).
-Kernel tests check each kernel alone on the shapes they build; this checks them on what the
-target and the drafter actually pass (views of wider rows, real page tables)."""
+different lengths batched, in plain decoding, chains and draft trees; so does a sampled chain
+with top_k = 1 (the sampled path's kernels on a one-hot distribution: probabilities,
+sampling, rejection and recovery must all pick the argmax). Kernel tests check each kernel
+alone on the shapes they build; this checks them on what the target and the drafter actually
+pass (views of wider rows, real page tables)."""
 from __future__ import annotations
 
 import pytest

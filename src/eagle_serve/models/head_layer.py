@@ -19,7 +19,7 @@ def _default_rope() -> dict:
     return {"rope_type": "default", "rope_theta": 10000.0}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False)  # eq=False: hashable by identity despite its dict field
 class HeadLayer:
     """Shape of a head's decoder layers, under a Llama config.json's names and defaults."""
     hidden_size: int = 4096

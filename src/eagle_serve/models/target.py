@@ -10,7 +10,6 @@ ones. Knows nothing about requests, page allocation or sampling policy.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from eagle_serve.kernels.sampling import compute_probs
 from eagle_serve.models.cpu_stack import CpuDecoderStack, StackLayer, StackShape, is_silu
 from eagle_serve.models.graphs import TargetGraphs, graphable
 from eagle_serve.models.paged import PagedKVCache, paged_attention_step
-from eagle_serve.settings import TARGET_ACTIVATIONS
+from eagle_serve.settings import TARGET_ACTIVATIONS, model_config
 
 
 @dataclass(frozen=True)
@@ -110,13 +109,10 @@ class TargetShape:
 
 def read_target_shape(folder: str | Path) -> TargetShape:
     """TargetShape of the target in `folder`, checked against ARCHITECTURES."""
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{folder}: the target's config.json is missing")
-    raw = json.loads(path.read_text())
+    raw = model_config(folder)
     missing = [k for k in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers") if k not in raw]
     if missing:
-        raise ValueError(f"{path}: no {', '.join(missing)}")
+        raise ValueError(f"{Path(folder) / 'config.json'}: no {', '.join(missing)}")
     shape = TargetShape(raw["model_type"], raw["hidden_size"], raw["vocab_size"], raw["num_hidden_layers"],
                         tuple(raw.get("architectures") or ()))
     architecture_of(shape)
