@@ -33,6 +33,40 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # in case torch set up its threads before OMP_NUM_THREADS was set
 
 
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language for a launch (restored after it), and again,
+    unrestored, at every call of a @jit function inside the kernel (tl.sum too), in every program
+    instance: each a scan of the language's modules (inspect.getmembers), ~15% of an interpreted
+    test. Here a launch patches both modules a kernel and the functions it calls see (tl and
+    tl.core), and the calls inside it skip the scan: the same code runs."""
+    from types import SimpleNamespace
+
+    from triton.runtime import interpreter
+
+    patch, run, launches = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+    both = SimpleNamespace(__globals__={"tl": interpreter.tl, "core": interpreter.tl.core})
+
+    def launch(self, *args, **kwargs):
+        launches.append(False)  # whether its own patch (its first) was made
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def patch_lang(fn):
+        if not launches:
+            return patch(fn)
+        if launches[-1]:
+            return None  # a call inside the kernel: its caller ignores the scope
+        launches[-1] = True
+        return patch(both)
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, launch
+
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    _patch_the_language_once_per_launch()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     from eagle_serve.testing import make_random_head, make_tiny_llama
