@@ -203,6 +203,24 @@ def test_the_text_tokenizer_encodes_and_renders_chats_as_the_hugging_face_tokeni
                 assert encode_prompt(ours, text, template) == encode_prompt(tokenizer, text, template)
 
 
+def test_a_process_that_only_decodes_imports_no_transformers():
+    """postprocess: its tokenizer leaves transformers (the chat template renderer) out; a
+    renderer (preprocess, spec_decode) imports it with its tokenizer, not at a first request."""
+    import subprocess
+    import sys
+
+    text_tokenizer(paths.default_target_dir())  # the machine's cache holds it from now on
+    script = ("import sys\nfrom eagle_serve import paths\n"
+              "from eagle_serve.core.tokenization import text_tokenizer\n"
+              "renders = sys.argv[1] == 'chat'\n"
+              "ours = text_tokenizer(paths.default_target_dir(), renders_chat=renders)\n"
+              "assert ours.decode(ours.encode('Hello there')) == 'Hello there'\n"
+              "assert ('transformers' in sys.modules) == renders, sorted(sys.modules)\n")
+    for mode in ("decode", "chat"):
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True)
+        assert done.returncode == 0, (mode, done.stderr[-2000:])
+
+
 def test_the_text_tokenizer_decodes_any_ids_as_the_hugging_face_tokenizer(
         tokenizer, cached_text_tokenizer, byte_ids, partial_ids):
     @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))

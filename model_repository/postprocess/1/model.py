@@ -18,7 +18,7 @@ class TritonPythonModel:
         tu.require_single_instance(config)
         params = tu.model_parameters(config)
         folder = tokenizer_dir(params.get("tokenizer_dir", "target"), tu.repository_dir(args))
-        self.tokenizer = text_tokenizer(folder)
+        self.tokenizer = text_tokenizer(folder, renders_chat=False)
         self.vocab_size = len(self.tokenizer)
         self.skip_special_tokens = tu.flag(params.get("skip_special_tokens", "true"))
         tu.freeze_loaded_objects()

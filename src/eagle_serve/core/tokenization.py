@@ -95,20 +95,26 @@ class TextTokenizer:
         return rendered[0]
 
 
-def text_tokenizer(folder: str | Path) -> TextTokenizer:
+def text_tokenizer(folder: str | Path, renders_chat: bool = True) -> TextTokenizer:
     """The TextTokenizer of a model folder, from the machine's cache (`tokenizer_cache_file`),
     else from the Hugging Face tokenizer, which then fills the cache (where it cannot be
     written: used uncached). A process reads a cache file once: engines built one after the
-    other (benchmarks, tests) share what it holds, which no caller changes."""
+    other (benchmarks, tests) share what it holds, which no caller changes. `renders_chat`:
+    the caller renders chat templates, whose renderer (transformers') is imported now rather
+    than at the first request; a process that only decodes (postprocess) leaves it out."""
     cached = tokenizer_cache_file(folder)
     if cached.exists():
-        return _read_cached(cached, str(folder))
-    hf = load_tokenizer(folder)
-    template = hf.get_chat_template() if getattr(hf, "chat_template", None) else None
-    saved = {"backend": hf.backend_tokenizer.to_str(), "chat_template": template,
-             "template_tokens": hf.special_tokens_map, "size": len(hf)}
-    write_atomically(cached, json.dumps(saved))
-    return _text_tokenizer(saved, str(folder), str(cached))
+        tokenizer = _read_cached(cached, str(folder))
+    else:
+        hf = load_tokenizer(folder)
+        template = hf.get_chat_template() if getattr(hf, "chat_template", None) else None
+        saved = {"backend": hf.backend_tokenizer.to_str(), "chat_template": template,
+                 "template_tokens": hf.special_tokens_map, "size": len(hf)}
+        write_atomically(cached, json.dumps(saved))
+        tokenizer = _text_tokenizer(saved, str(folder), str(cached))
+    if renders_chat and tokenizer.chat_template:
+        from transformers.utils import chat_template_utils  # noqa: F401
+    return tokenizer
 
 
 @functools.lru_cache(maxsize=8)
@@ -119,8 +125,6 @@ def _read_cached(cached: Path, folder: str) -> TextTokenizer:
 def _text_tokenizer(saved: dict, folder: str, cache_file: str) -> TextTokenizer:
     from tokenizers import Tokenizer
 
-    if saved["chat_template"]:
-        from transformers.utils import chat_template_utils  # noqa: F401 (now, not at the first request)
     backend = Tokenizer.from_str(saved["backend"])
     backend.no_truncation()
     backend.no_padding()
