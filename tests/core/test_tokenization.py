@@ -203,6 +203,28 @@ def test_the_text_tokenizer_encodes_and_renders_chats_as_the_hugging_face_tokeni
                 assert encode_prompt(ours, text, template) == encode_prompt(tokenizer, text, template)
 
 
+def test_a_tool_use_template_renders_tools_as_the_hugging_face_tokenizer(tmp_path, monkeypatch):
+    """A tokenizer with named templates renders with "tool_use" when tools are given (the
+    OpenAI server's tool_call_template "model"); editing that template changes the cache key."""
+    hf = load_tokenizer(paths.default_target_dir())
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))  # the cache files this test writes
+    tools_first = "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+    hf.chat_template = {"default": hf.chat_template, "tool_use": tools_first + hf.chat_template}
+    folder = tmp_path / "tokenizer"
+    hf.save_pretrained(folder)
+    hf = load_tokenizer(folder)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    built, cached = text_tokenizer(folder), text_tokenizer(folder)
+    for ours in (built, cached):
+        for offered in (tools, None):
+            want = hf.apply_chat_template(CHAT, tools=offered, add_generation_prompt=True, tokenize=False)
+            assert ours.apply_chat_template(CHAT, tools=offered, add_generation_prompt=True) == want
+        assert "[tool weather]" in ours.apply_chat_template(CHAT, tools=tools)
+    key = tokenizer_cache_file(folder)
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(tools_first)
+    assert tokenizer_cache_file(folder) != key
+
+
 def test_a_process_that_only_decodes_imports_no_transformers():
     """postprocess: its tokenizer leaves transformers (the chat template renderer) out; a
     renderer (preprocess, spec_decode) imports it with its tokenizer, not at a first request."""

@@ -38,6 +38,7 @@ HOLD = 3
 WINDOW = 16
 # the files a tokenizer is made of (weights excluded): they key text_tokenizer's cache
 _TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_CACHE_FORMAT = 2  # the fields text_tokenizer saves: a new one means a new key
 
 
 def load_tokenizer(folder: str | Path):
@@ -50,9 +51,9 @@ def load_tokenizer(folder: str | Path):
 @dataclass(frozen=True)
 class TextTokenizer:
     """A Hugging Face tokenizer's encode, decode, vocabulary and chat template on the
-    `tokenizers` backend alone, for preprocess, postprocess and spec_decode: transformers'
-    AutoTokenizer imports its config classes and with them torch's compiler and distributed
-    packages in every such process at every server start (docs/performance.md, "Start-up").
+    `tokenizers` backend alone, for preprocess, postprocess, spec_decode and the OpenAI server:
+    transformers' AutoTokenizer imports its config classes and with them torch's compiler and
+    distributed packages in every such process at every start (docs/performance.md, "Start-up").
     It is the Hugging Face tokenizer's own backend, saved once per machine by `text_tokenizer`,
     so ids and text are that tokenizer's; it answers the calls the functions below and the
     engine make of one.
@@ -62,6 +63,7 @@ class TextTokenizer:
     chat_template: str | None
     template_tokens: dict  # special_tokens_map: bos_token, eos_token, ... which templates read
     size: int  # len() of the Hugging Face tokenizer
+    tool_chat_template: str | None = None  # the one it renders with tools (a "tool_use" template)
     folder: str = ""
     cache_file: str = ""
 
@@ -82,14 +84,15 @@ class TextTokenizer:
         assert not clean_up_tokenization_spaces, "decode is additive only without clean-up"
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = False, tokenize: bool = False) -> str:
         """What the Hugging Face tokenizer's apply_chat_template(..., tokenize=False) renders."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        assert not tokenize and self.chat_template
+        template = self.chat_template if tools is None else self.tool_chat_template
+        assert not tokenize and template
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+        rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template,
                                             add_generation_prompt=add_generation_prompt,
                                             **self.template_tokens)
         return rendered[0]
@@ -107,8 +110,10 @@ def text_tokenizer(folder: str | Path, renders_chat: bool = True) -> TextTokeniz
         tokenizer = _read_cached(cached, str(folder))
     else:
         hf = load_tokenizer(folder)
-        template = hf.get_chat_template() if getattr(hf, "chat_template", None) else None
-        saved = {"backend": hf.backend_tokenizer.to_str(), "chat_template": template,
+        templated = bool(getattr(hf, "chat_template", None))
+        saved = {"backend": hf.backend_tokenizer.to_str(),
+                 "chat_template": hf.get_chat_template() if templated else None,
+                 "tool_chat_template": hf.get_chat_template(tools=[]) if templated else None,
                  "template_tokens": hf.special_tokens_map, "size": len(hf)}
         write_atomically(cached, json.dumps(saved))
         tokenizer = _text_tokenizer(saved, str(folder), str(cached))
@@ -129,20 +134,22 @@ def _text_tokenizer(saved: dict, folder: str, cache_file: str) -> TextTokenizer:
     backend.no_truncation()
     backend.no_padding()
     return TextTokenizer(backend, saved["chat_template"], saved["template_tokens"], saved["size"],
-                         folder, cache_file)
+                         saved["tool_chat_template"], folder, cache_file)
 
 
 def tokenizer_cache_file(folder: str | Path) -> Path:
-    """EAGLE_CACHE/tokenizers/<key>.json, keyed by the tokenizer files' bytes and the
-    transformers version (which builds the backend)."""
+    """EAGLE_CACHE/tokenizers/<key>.json, keyed by the tokenizer files' bytes (the named chat
+    templates in additional_chat_templates/ too), the transformers version (which builds the
+    backend) and the format of the saved fields."""
     from importlib.metadata import version
 
     from eagle_serve import paths
 
-    digest = hashlib.sha256(version("transformers").encode())
-    for file in sorted(Path(folder).iterdir()):
+    digest = hashlib.sha256(f"{version('transformers')} {_CACHE_FORMAT}".encode())
+    folder = Path(folder)
+    for file in sorted([*folder.iterdir(), *folder.glob("additional_chat_templates/*")]):
         if file.suffix in _TOKENIZER_SUFFIXES and file.is_file():
-            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+            digest.update(str(file.relative_to(folder)).encode() + b"\0" + file.read_bytes())
     return paths.cache_dir() / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
 
 

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from eagle_serve import paths
-from eagle_serve.core.tokenization import decode, encode_prompt, load_tokenizer, render_chat
+from eagle_serve.core.tokenization import decode, encode_prompt, render_chat, text_tokenizer
 from eagle_serve.openai_api.answers import Answer, Choice
 from eagle_serve.openai_api.backend import SpecDecodeClient
 from eagle_serve.openai_api.protocol import (
@@ -58,7 +58,7 @@ class OpenAIServerConfig:
 
 def create_app(config: OpenAIServerConfig) -> FastAPI:
     target = tokenizer_dir("target", Path(config.model_repository))
-    tokenizer = load_tokenizer(target)
+    tokenizer = text_tokenizer(target)  # not AutoTokenizer: see TextTokenizer
     model_id = config.model_name or target.name
     max_model_len = read_settings(Path(config.model_repository)).scheduler.max_model_len or model_context(target)
     backend: SpecDecodeClient | None = None
@@ -119,7 +119,7 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
 
     tool_template = read_settings(Path(config.model_repository)).api.tool_call_template
     model_renders_tools = tool_template == "model" or (
-        tool_template == "auto" and "tools" in (getattr(tokenizer, "chat_template", None) or ""))
+        tool_template == "auto" and "tools" in (tokenizer.tool_chat_template or ""))
 
     def chat_prompt(body: ChatCompletionRequest) -> str:
         messages = [m.as_template_dict() for m in body.messages]
@@ -325,7 +325,7 @@ async def merged(firsts: list[Chunk], streams: list[AsyncIterator[Chunk]]) -> As
         try:
             async for chunk in stream:
                 await queue.put((i, chunk, None))
-        except Exception as error:  # noqa: BLE001: handed to the reader
+        except Exception as error:  # noqa: BLE001 (handed to the reader)
             await queue.put((i, None, error))
         await queue.put((i, None, None))
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
