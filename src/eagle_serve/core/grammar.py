@@ -99,15 +99,20 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
                                                   stop_token_ids=list(stop_token_ids) or None)
     if not isinstance(tokenizer, TextTokenizer):
         return build(tokenizer)
-    from importlib.metadata import version
-
-    key = f"{version('xgrammar')}-{vocab_size}-{'-'.join(map(str, stop_token_ids))}"
-    cached = Path(tokenizer.cache_file).with_suffix(f".xgrammar-{key}.json")
+    cached = tokenizer_info_file(tokenizer.cache_file, vocab_size, stop_token_ids)
     if cached.is_file():
         return xgr.TokenizerInfo.deserialize_json(cached.read_text(encoding="utf-8"))
     info = build(load_tokenizer(tokenizer.folder))
     write_atomically(cached, info.serialize_json())
     return info
+
+
+def tokenizer_info_file(cache_file: str | Path, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Path:
+    """Where `tokenizer_info` keeps a TextTokenizer's TokenizerInfo (beside its `cache_file`)."""
+    from importlib.metadata import version
+
+    key = f"{version('xgrammar')}-{vocab_size}-{'-'.join(map(str, stop_token_ids))}"
+    return Path(cache_file).with_suffix(f".xgrammar-{key}.json")
 
 
 class Guides:

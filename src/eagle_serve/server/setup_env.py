@@ -72,14 +72,17 @@ def cache_default_tokenizer() -> Path:
     """The default tokenizer as preprocess, postprocess and spec_decode load it
     (core.tokenization.text_tokenizer), so that the first server start, too, skips transformers,
     and its grammar vocabulary (core.grammar.tokenizer_info), so that the first guided request
-    does."""
-    from eagle_serve.core.grammar import tokenizer_info
+    does. Checks for both files first: reading them back imports transformers and xgrammar,
+    seconds that every `make serve` and `make test` would pay."""
+    from eagle_serve.core.grammar import tokenizer_info, tokenizer_info_file
     from eagle_serve.core.tokenization import eos_token_ids, text_tokenizer, tokenizer_cache_file
     from eagle_serve.settings import model_vocab_size
 
     folder = paths.default_target_dir()
-    tokenizer_info(text_tokenizer(folder), model_vocab_size(folder), eos_token_ids(folder))
-    return tokenizer_cache_file(folder)
+    cached, vocab_size, eos = tokenizer_cache_file(folder), model_vocab_size(folder), eos_token_ids(folder)
+    if not (cached.is_file() and tokenizer_info_file(cached, vocab_size, eos).is_file()):
+        tokenizer_info(text_tokenizer(folder, renders_chat=False), vocab_size, eos)
+    return cached
 
 
 def build_cpu_kernels() -> str:
