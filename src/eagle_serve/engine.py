@@ -204,7 +204,7 @@ class Engine:
             return []
         except ModelUnavailable:
             raise
-        except Exception as error:  # noqa: BLE001: a model call failed for this batch
+        except Exception as error:  # noqa: BLE001 (a model call failed for this batch)
             self._model_failed(reqs, "eagle_target", error)
             return []
         if len(reqs) == 1 and reqs[0].suspect:  # a round of its own succeeded
@@ -231,7 +231,7 @@ class Engine:
                 self._preempt_all()
             except ModelUnavailable:
                 raise
-            except Exception as error:  # noqa: BLE001: a model call failed for this batch
+            except Exception as error:  # noqa: BLE001 (a model call failed for this batch)
                 self._model_failed([w.req for w in work], "eagle_drafter", error)
         failed = [req for req in self.running if req.error]
         for req in failed:

@@ -66,7 +66,7 @@ class Stream:
             for chunk in self._client.chat.completions.create(**self._args):
                 if chunk.choices and chunk.choices[0].delta.content:
                     self.times.append(time.perf_counter())
-        except BaseException as error:  # noqa: BLE001: reported by the caller
+        except BaseException as error:  # noqa: BLE001 (reported by the caller)
             self.error = error
 
     def wait(self) -> "Stream":

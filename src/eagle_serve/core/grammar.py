@@ -150,7 +150,7 @@ class Guides:
             if kind == "lark":
                 return c.compile_lark(text)
             return c.compile_grammar(text)
-        except Exception as error:  # noqa: BLE001: xgrammar's own errors, for the client
+        except Exception as error:  # noqa: BLE001 (xgrammar's own errors, for the client)
             raise ValueError(f"the {kind} guide does not compile: {error}") from None
 
     def matcher(self, compiled) -> "GrammarState":
