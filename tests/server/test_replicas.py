@@ -95,7 +95,7 @@ def until_both_served(replicas: Replicas, before: list[int], timeout_s: float = 
     a miss the router picks the less loaded replica: the one not busy with the pair's first."""
     def pair() -> bool:
         prompts = [f"{next(FIRST_WORDS)} are remarkable because", f"{next(FIRST_WORDS)} matter since"]
-        body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True}  # the first still runs
+        body = {"model": MODEL, "max_tokens": 150, "ignore_eos": True}  # ~1 s: the first still runs
         with futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(post_json, f"http://127.0.0.1:{replicas.router_port}/v1/completions",
                                 body | {"prompt": prompts[0]})
@@ -181,13 +181,13 @@ def test_drain_waits_until_the_running_request_ends(replicas):
     assert drain(metrics_url, 5.0)  # idle
     with futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(post_json, f"{ports.openai_url}/v1/completions",
-                             {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True})
+                             {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True})
         assert wait_until(lambda: in_flight(metrics_url) > 0 or answer.done(), 60, 0.05)
         assert not answer.done(), "the request ended before it was seen running"
         assert not drain(metrics_url, 0.2)  # still running: the timeout ends the wait
         assert drain(metrics_url, 120.0) and in_flight(metrics_url) == 0
         status, body = answer.result()
-    assert status == 200 and body["usage"]["completion_tokens"] == 600
+    assert status == 200 and body["usage"]["completion_tokens"] == 200
 
 
 def test_after_a_replica_is_killed_new_requests_succeed_and_it_is_taken_back(replicas):
