@@ -36,9 +36,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def _patch_the_language_once_per_launch() -> None:
     """Triton's interpreter patches triton.language for a launch (restored after it), and again,
     unrestored, at every call of a @jit function inside the kernel (tl.sum too), in every program
-    instance: each a scan of the language's modules (inspect.getmembers), ~15% of an interpreted
-    test. Here a launch patches both modules a kernel and the functions it calls see (tl and
-    tl.core), and the calls inside it skip the scan: the same code runs."""
+    instance: each a scan of the language's modules (inspect.getmembers), the interpreter's
+    largest overhead. Here a launch patches both modules a kernel and the functions it calls see
+    (tl and tl.core), and the calls inside it skip the scan: the same code runs. (Triton is
+    pinned: an upgrade that renames these internals fails here, at once.)"""
     from types import SimpleNamespace
 
     from triton.runtime import interpreter
