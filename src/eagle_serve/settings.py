@@ -31,6 +31,11 @@ DTYPE_NAMES = get_args(DType)
 DRAFTER_WEIGHTS = get_args(DrafterWeights)
 TARGET_ACTIVATIONS = get_args(TargetActivations)
 
+# What one request may ask for: a tree's children per node and depth (its nodes are bounded by
+# max_speculative_tokens), so that a client sets the draft's cost only within these.
+MAX_DRAFT_TOPK = 8
+MAX_DRAFT_DEPTH = 8
+
 CORPUS_INDEX_FILE = "corpus-index.npz"   # beside a head: its lookup corpus (eagle_serve.spec.lookup)
 
 
@@ -120,8 +125,6 @@ class DraftSettings(_Section):
     max_speculative_tokens: int = 8            # the most a request may ask for
     draft_topk: int = 4                        # default children per draft-tree node (1 = chain)
     draft_depth: int = 3                       # default draft-tree depth (0 = k)
-    max_draft_topk: int = 8                    # the most a request may ask for
-    max_draft_depth: int = 8
     max_tree_batch: int = 1                    # trees only while <= this many requests run (0 = always)
     draft_min_prob: float = 0.05               # greedy drafts below this path probability are not
     #                                            verified (the first always is); 0 = off; with
@@ -163,9 +166,9 @@ class DraftSettings(_Section):
     #                                            request's draft_topk overrides it)
 
     def check(self) -> None:
-        self._in_range(("draft_topk", "coupled_draft_topk"), 1, self.max_draft_topk)
-        self._in_range(("draft_depth",), 0, self.max_draft_depth, " (0 = k)")
-        self._in_range(("sampled_draft_depth",), 1, self.max_draft_depth)
+        self._in_range(("draft_topk", "coupled_draft_topk"), 1, MAX_DRAFT_TOPK)
+        self._in_range(("draft_depth",), 0, MAX_DRAFT_DEPTH, " (0 = k)")
+        self._in_range(("sampled_draft_depth",), 1, MAX_DRAFT_DEPTH)
         self._in_range(("lookup_tokens", "sampled_lookup_tokens"), 0, self.max_speculative_tokens)
         self._in_range(("draft_min_prob", "draft_expand_prob", "sampled_draft_min_prob"), 0, 1)
         self._in_range(("draft_call_cost", "draft_step_cost", "draft_batch_cost"), 0, 10)
@@ -177,9 +180,8 @@ class DraftSettings(_Section):
 @dataclass(frozen=True)
 class LimitSettings(_Section):
     """What one request may send, and how long anything may take."""
-    max_input_bytes: int = 65536               # text_input limit on the direct path
-    max_stop_strings: int = 32                 # stop strings of one request
-    max_stop_bytes: int = 4096                 # their total UTF-8 size
+    max_input_bytes: int = 65536               # a request's text_input (preprocess and the
+    #                                            direct path)
     model_call_timeout_s: float = 120.0        # a target/drafter call slower than this means a
     #                                            stuck model process: the server restarts
     request_timeout_s: float = 600.0           # a request unfinished after this fails (0 = never)
@@ -200,12 +202,11 @@ class ApiSettings(_Section):
 
 @dataclass(frozen=True)
 class CpuSettings(_Section):
-    """Torch CPU threads of each model process: they run one after another in a round, and
-    threads beyond the work oversubscribe the cores (measured 27 s vs 1.4 s for 32 tokens when
-    two processes spun 2 threads each)."""
+    """Torch CPU threads of the model processes: they run one after another in a round, and
+    threads beyond the work oversubscribe the cores (two processes spinning 2 threads each made
+    32 tokens 20x slower), so spec_decode (bookkeeping and sampling) runs one."""
     target_threads: int = 0                    # of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
-    engine_threads: int = 1                    # of spec_decode (bookkeeping and sampling)
 
 
 @functools.cache
@@ -307,9 +308,9 @@ class ServingSettings:
         return paths.resolve_model_path(corpus, repo_dir)
 
     def apply_threads(self, role: str) -> None:
-        """This process's torch threads (CpuSettings)."""
+        """This process's torch threads (CpuSettings): role "target", "drafter" or "engine"."""
         import torch
-        n = getattr(self.cpu, f"{role}_threads")
+        n = getattr(self.cpu, f"{role}_threads", 1)
         torch.set_num_threads(n if n > 0 else (os.cpu_count() or 1))
 
 
@@ -405,12 +406,12 @@ def tokenizer_dir(value: str, repo_dir: Path) -> Path:
     return paths.resolve_model_path(value, Path(repo_dir))
 
 
-def chat_template_default(repo_dir: Path) -> bool:
-    """Whether a text request without apply_chat_template gets the chat template: spec_decode's
-    setting (true in a repository without spec_decode)."""
+def repository_settings(repo_dir: Path) -> ServingSettings:
+    """spec_decode's settings (read_settings), or the defaults in a repository without
+    spec_decode: what preprocess reads its limits and chat-template default from."""
     if not (Path(repo_dir) / "spec_decode" / "config.pbtxt").exists():
-        return True
-    return read_settings(repo_dir).api.apply_chat_template
+        return ServingSettings()
+    return read_settings(repo_dir)
 
 
 CONFIG_NAME_ENV = "EAGLE_MODEL_CONFIG_NAME"  # tritonserver's --model-config-name (eagle_serve.server.serve)

@@ -55,7 +55,8 @@ def test_a_qwen3_target_with_a_speculators_head_serves_hf_greedy_output_with_and
 def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_models, no_idle_servers):
     """Served with --model-config-name=gpu (its instances made CPU ones to run here), every model
     reads spec_decode's configs/gpu.pbtxt: there alone it names the tiny float64 model, while
-    config.pbtxt still names the default one, and the output is the tiny model's."""
+    config.pbtxt still names the default one, and the output is the tiny model's; its input
+    limit holds in preprocess (the ensemble) and on spec_decode's direct path."""
     import re
 
     from eagle_serve.core.requests import SamplingParams
@@ -69,7 +70,8 @@ def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_mode
         if config.parent.parent.name == "spec_decode":
             for key, value in {"target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
                                "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-                               "num_target_pages": "256", "num_drafter_pages": "256", **CHAINS}.items():
+                               "num_target_pages": "256", "num_drafter_pages": "256", "max_input_bytes": "1000",
+                               **CHAINS}.items():
                 text = set_parameter(text, key, value)
         config.write_text(text)
     server = launch("gpu-config-on-cpu", repo, tmp_path / "server.log", model_config_name="gpu")
@@ -85,5 +87,8 @@ def test_an_edit_to_the_gpu_config_alone_reaches_every_model(tmp_path, tiny_mode
             plain = engine.generate([encode_prompt(tokenizer, prompt)],
                                     SamplingParams(max_tokens=12, ignore_eos=True, num_speculative_tokens=0))
             assert got.output_ids == plain[0].token_ids
+        for model in ("ensemble", "spec_decode"):
+            refused = grpc_generate(server.grpc_url, "x" * 1001, model=model, max_tokens=2)
+            assert "1001 bytes, more than the limit of 1000" in str(refused.error), model
     finally:
         server.stop()

@@ -11,7 +11,7 @@ import numpy as np
 
 from eagle_serve.core.grammar import GrammarState, check_guide
 from eagle_serve.core.stopping import StopChecker
-from eagle_serve.settings import EngineConfig
+from eagle_serve.settings import MAX_DRAFT_DEPTH, MAX_DRAFT_TOPK, EngineConfig
 from eagle_serve.spec.lookup import HEAD, ContextIndex
 from eagle_serve.spec.lookup_scores import LookupKey, LookupScores
 
@@ -57,6 +57,8 @@ MAX_LOGIT_BIAS = 1024        # entries of one request's logit_bias
 MAX_BAD_WORDS = 64           # bad words of one request, each at most MAX_BAD_WORD_TOKENS long
 MAX_BAD_WORD_TOKENS = 32
 MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 32        # stop strings of one request,
+MAX_STOP_BYTES = 4096        # and their total UTF-8 size
 
 
 @dataclass
@@ -119,14 +121,13 @@ class SamplingParams:
             (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= max_k,
              f"num_speculative_tokens must be in [0, {max_k}], got {self.num_speculative_tokens}"),
             (all(self.stop), "stop strings must not be empty"),
-            (len(self.stop) <= cfg.limits.max_stop_strings,
-             f"at most {cfg.limits.max_stop_strings} stop strings are allowed, got {len(self.stop)}"),
-            (stop_bytes <= cfg.limits.max_stop_bytes,
-             f"stop strings may total at most {cfg.limits.max_stop_bytes} bytes, got {stop_bytes}"),
-            (self.draft_topk is None or 1 <= self.draft_topk <= cfg.drafting.max_draft_topk,
-             f"draft_topk must be in [1, {cfg.drafting.max_draft_topk}], got {self.draft_topk}"),
-            (self.draft_depth is None or 1 <= self.draft_depth <= cfg.drafting.max_draft_depth,
-             f"draft_depth must be in [1, {cfg.drafting.max_draft_depth}], got {self.draft_depth}"),
+            (len(self.stop) <= MAX_STOP_STRINGS,
+             f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}"),
+            (stop_bytes <= MAX_STOP_BYTES, f"stop strings may total at most {MAX_STOP_BYTES} bytes, got {stop_bytes}"),
+            (self.draft_topk is None or 1 <= self.draft_topk <= MAX_DRAFT_TOPK,
+             f"draft_topk must be in [1, {MAX_DRAFT_TOPK}], got {self.draft_topk}"),
+            (self.draft_depth is None or 1 <= self.draft_depth <= MAX_DRAFT_DEPTH,
+             f"draft_depth must be in [1, {MAX_DRAFT_DEPTH}], got {self.draft_depth}"),
             (len(self.cache_salt.encode("utf-8")) <= MAX_CACHE_SALT_BYTES,
              f"cache_salt may be at most {MAX_CACHE_SALT_BYTES} bytes"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),

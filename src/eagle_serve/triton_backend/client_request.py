@@ -21,10 +21,12 @@ from eagle_serve.core.requests import (
     MAX_BAD_WORDS,
     MAX_CACHE_SALT_BYTES,
     MAX_LOGIT_BIAS,
+    MAX_STOP_BYTES,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
 from eagle_serve.core.tokenization import encode_prompt, has_chat_template
+from eagle_serve.settings import LimitSettings
 from eagle_serve.triton_backend.io import RequestError, pb
 
 
@@ -121,7 +123,7 @@ class ClientRequest:
 ALIASES = {"seed": "random_seed", "min_tokens": "min_length", "stop": "stop_words"}
 
 
-def read_request(request, tokenizer, max_input_bytes: int = 65536,
+def read_request(request, tokenizer, max_input_bytes: int = LimitSettings.max_input_bytes,
                  apply_chat_template: bool = True, defaults: dict | None = None) -> ClientRequest:
     """A Triton request's inputs -> ClientRequest (RequestError if bad). apply_chat_template:
     the default of the input of that name; defaults: the model's sampling defaults
@@ -147,14 +149,14 @@ def read_prompt(request, tokenizer, max_input_bytes: int,
     return [int(x) for x in ids], False
 
 
-def read_params(request, max_stop_bytes: int = 4096, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
+def read_params(request, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
     """One request's sampling parameters and stream flag (RequestError if bad)."""
     d = defaults or {}
     check_tool_inputs(request)
     k = scalar(request, "num_speculative_tokens")
     topk, depth = scalar(request, "draft_topk"), scalar(request, "draft_depth")
     seed = aliased(request, "seed", scalar)
-    stop = aliased(request, "stop", lambda r, name: texts(r, name, max_bytes=max_stop_bytes) or None)
+    stop = aliased(request, "stop", lambda r, name: texts(r, name, max_bytes=MAX_STOP_BYTES) or None)
     params = SamplingParams(
         max_tokens=int(scalar(request, "max_tokens", d.get("max_tokens", 128))),
         temperature=float(scalar(request, "temperature", d.get("temperature", 0.0))),

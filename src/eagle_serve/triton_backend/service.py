@@ -35,7 +35,7 @@ from eagle_serve.core.tokenization import decode, decode_delta, detok_window, eo
 from eagle_serve.engine import Engine, EngineBusy
 from eagle_serve.kernels.warmup import warm_engine
 from eagle_serve.models.dtypes import settings_dtype
-from eagle_serve.settings import EngineConfig, ServingSettings, generation_defaults, model_vocab_size
+from eagle_serve.settings import EngineConfig, LimitSettings, ServingSettings, generation_defaults, model_vocab_size
 from eagle_serve.spec.lookup import load_corpus_index
 from eagle_serve.triton_backend import internal_key
 from eagle_serve.triton_backend import io as tu
@@ -99,7 +99,7 @@ class _Open:
 
 class SpecDecodeService:
     def __init__(self, pb, engine: Engine, metrics: EngineMetrics | None = None,
-                 max_input_bytes: int = 65536, draft_timeout_s: float = 0.0,
+                 max_input_bytes: int = LimitSettings.max_input_bytes, draft_timeout_s: float = 0.0,
                  on_broken: Callable[[str], None] | None = None, apply_chat_template: bool = True,
                  defaults: dict | None = None):
         """on_broken(reason): called once when a model process is stuck or dead; spec_decode's
