@@ -5,9 +5,10 @@
 
 A config is `K` (a chain of K drafts; 0 = plain decoding), `KxTOPKxDEPTH` (a dynamic draft
 tree: K nodes verified per round, TOPK children per node, DEPTH levels), `default` (the
-server's defaults), `head` (the defaults with the lookup draft sources off) or `hf` (Hugging
-Face `generate` on the same weights, in this process, in `--hf-dtype`: bench.py's HFRunner; one
-stream only). The prompts go in groups of `--concurrency` (1: one at a time), each group
+server's defaults), `head` (the defaults with the lookup draft sources off), or a peer run
+in this process, one stream only (bench.peers): `hf` (Hugging Face `generate` on the same
+weights, in `--hf-dtype`) or `llama.cpp` (llama-cpp-python on the default target's GGUF file,
+or `--gguf`). The prompts go in groups of `--concurrency` (1: one at a time), each group
 through every config in turn (round-robin, the order reversed every other group), so drift of
 the machine hits every config alike. Tokens/s per config = its tokens over its request
 latencies (groups: their wall time); speedup = that over the first config's, with a 95%
@@ -28,16 +29,17 @@ import numpy as np
 from tqdm import tqdm
 
 from eagle_serve import paths
-from eagle_serve.client import Generation, grpc_generate, metrics
+from eagle_serve.bench.peers import PEERS, make_peer
+from eagle_serve.client import grpc_generate, metrics
 from eagle_serve.core.requests import acceptance_length
 from eagle_serve.paths import read_prompts
+from eagle_serve.server.setup_env import default_gguf
 from eagle_serve.spec.lookup import SOURCES
 
 NAMED = {"default": {},                                              # the server's defaults
          "head": {"context_lookup": False, "corpus_lookup": False}}  # ... drafting from the head alone
 
 
-PEER = "hf"  # not a server config: transformers' generate in this process (bench.HFRunner)
 RESAMPLES, LEVEL = 2000, 0.95  # speedup_interval's bootstrap
 
 
@@ -56,7 +58,7 @@ def speedup_interval(base: list[tuple[int, float]], other: list[tuple[int, float
 
 
 def parse_config(text: str) -> dict:
-    if text == PEER:
+    if text in PEERS:
         return {}
     if text in NAMED:
         return NAMED[text]
@@ -68,29 +70,13 @@ def parse_config(text: str) -> dict:
     return {"num_speculative_tokens": k, "draft_topk": topk, "draft_depth": depth}
 
 
-def hf_peer(folder: str, dtype: str):
-    """-> generate(prompt, max_tokens, temperature=0, seed=None, ...) -> Generation, through
-    transformers' generate on the target `folder` in `dtype`."""
-    from eagle_serve.bench.modes import HFRunner
-
-    runner = HFRunner(folder, dtype)
-
-    def generate(prompt: str, *, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                 **_):
-        config = runner.config(max_tokens, temperature, None)
-        start = time.perf_counter()
-        ids = runner.generate(prompt, config, seed)
-        return Generation(output_ids=ids, latency_s=time.perf_counter() - start)
-    return generate
-
-
 def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str,
             concurrency: int = 1, sampling: dict | None = None, seeded: bool = True,
-            hf: tuple[str, str] | None = None, ignore_eos: bool = False, mixed: bool = False) -> dict:
+            peer_args: tuple[str, str, str] | None = None, ignore_eos: bool = False, mixed: bool = False) -> dict:
     """Each group of `concurrency` prompts runs through every config in turn (its prompts as
     concurrent streams); tokens/s = a config's tokens over its groups' wall time. Sampled
-    requests carry a seed per prompt unless `seeded` is false. hf: (target folder, dtype) of the
-    `hf` config (default: the default target in bf16). ignore_eos: every request emits
+    requests carry a seed per prompt unless `seeded` is false. peer_args: the peers' (target
+    folder, hf dtype, GGUF file) (default: the default target, bf16, its GGUF file). ignore_eos: every request emits
     max_tokens (as vLLM's and SGLang's serving benchmarks' --ignore-eos), so that configs whose
     sampled outputs differ still run the same work: a group's wall time is its longest stream's,
     and a group whose other streams stop early emits fewer tokens in that time. mixed: every
@@ -100,16 +86,18 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     config's (a group's wall time is its slowest stream's: where one kind gains and the other
     waits on its verify rows, the group's speedup shows the slower kind, the latencies both)."""
     sampling = sampling or {}
-    if PEER in configs and concurrency != 1:
-        raise SystemExit(f"the {PEER} peer runs one stream: use --concurrency 1")
-    peer = hf_peer(*(hf or (str(paths.default_target_dir()), "bfloat16"))) if PEER in configs else None
+    named_peers = [c for c in configs if c in PEERS]
+    if named_peers and concurrency != 1:
+        raise SystemExit(f"the {named_peers[0]} peer runs one stream: use --concurrency 1")
+    peer_args = peer_args or (str(paths.default_target_dir()), "bfloat16", str(default_gguf()))
+    peers = {c: make_peer(c, *peer_args) for c in named_peers}
     totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0,
                   "same_as_first": 0, "compared": 0, "requests": 0} for c in configs}
     by_group: dict[str, list[tuple[int, float]]] = {c: [] for c in configs}  # (tokens, seconds)
     per_kind = {c: {k: [0, 0.0] for k in ("greedy", "sampled")} for c in configs}  # tokens, s
     def generate(config: str, prompt: str, **params):
-        if config == PEER:
-            return peer(prompt, **params)
+        if config in peers:
+            return peers[config](prompt, **params)
         return grpc_generate(url, prompt, model=model, **params, **parse_config(config))
 
     for c in configs:  # warm-up, untimed
@@ -227,8 +215,9 @@ def main(argv=None) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="every request emits --max-tokens (sampled outputs differ by config)")
     p.add_argument("--hf-target", default=str(paths.default_target_dir()),
-                   help="the hf config's model folder (the served target's)")
+                   help="the peers' model folder (the served target's): hf's weights, both's tokenizer")
     p.add_argument("--hf-dtype", default="bfloat16", help="the hf config's dtype")
+    p.add_argument("--gguf", help="the llama.cpp config's GGUF file (default: the default target's)")
     p.add_argument("--metrics-url", help="also report the accepted tokens per draft source "
                    "(the server's Prometheus counters, before and after)")
     args = p.parse_args(argv)
@@ -241,7 +230,8 @@ def main(argv=None) -> None:
     before = source_counts(args.metrics_url) if args.metrics_url else None
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
                       {"temperature": args.temperature} if args.temperature else None,
-                      seeded=not args.unseeded, hf=(args.hf_target, args.hf_dtype),
+                      seeded=not args.unseeded,
+                      peer_args=(args.hf_target, args.hf_dtype, args.gguf or str(default_gguf())),
                       ignore_eos=args.ignore_eos, mixed=args.mixed)
     if before is not None:
         after = source_counts(args.metrics_url)

