@@ -203,8 +203,8 @@ class ApiSettings(_Section):
 @dataclass(frozen=True)
 class CpuSettings(_Section):
     """Torch CPU threads of the model processes: they run one after another in a round, and
-    threads beyond the work oversubscribe the cores (two processes spinning 2 threads each made
-    32 tokens 20x slower), so spec_decode (bookkeeping and sampling) runs one."""
+    threads beyond the work oversubscribe the cores, so spec_decode (bookkeeping and sampling)
+    runs one."""
     target_threads: int = 0                    # of eagle_target (0 = all cores)
     drafter_threads: int = 1                   # of eagle_drafter (small matrices: 1 is enough)
 

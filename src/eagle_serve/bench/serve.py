@@ -76,10 +76,11 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     """Each group of `concurrency` prompts runs through every config in turn (its prompts as
     concurrent streams); tokens/s = a config's tokens over its groups' wall time. Sampled
     requests carry a seed per prompt unless `seeded` is false. peer_args: the peers' (target
-    folder, hf dtype, GGUF file) (default: the default target, bf16, its GGUF file). ignore_eos: every request emits
-    max_tokens (as vLLM's and SGLang's serving benchmarks' --ignore-eos), so that configs whose
-    sampled outputs differ still run the same work: a group's wall time is its longest stream's,
-    and a group whose other streams stop early emits fewer tokens in that time. mixed: every
+    folder, hf dtype, GGUF file) (default: the default target, bf16, its GGUF file).
+    ignore_eos: every request emits max_tokens (as vLLM's and SGLang's serving benchmarks'
+    --ignore-eos), so that configs whose sampled outputs differ still run the same work: a
+    group's wall time is its longest stream's, and a group whose other streams stop early emits
+    fewer tokens in that time. mixed: every
     other stream of a group (the 2nd, 4th, ...) is sampled, the rest greedy, as traffic of both
     kinds shares the batch; only the greedy streams' outputs are compared (`compared`), and
     `speedup_by_kind` is each kind's tokens over its requests' latencies against the first
