@@ -400,15 +400,14 @@ def tokenizer_dir(value: str, repo_dir: Path) -> Path:
     """A tokenizer folder parameter; "target" (the default) = spec_decode's target model (the
     default model in a repository without spec_decode)."""
     if value in ("", "target"):
-        if not (Path(repo_dir) / "spec_decode" / "config.pbtxt").exists():
-            return paths.default_target_dir()
-        return read_settings(repo_dir).model_dirs(Path(repo_dir))[0]
+        return repository_settings(repo_dir).model_dirs(Path(repo_dir))[0]
     return paths.resolve_model_path(value, Path(repo_dir))
 
 
 def repository_settings(repo_dir: Path) -> ServingSettings:
     """spec_decode's settings (read_settings), or the defaults in a repository without
-    spec_decode: what preprocess reads its limits and chat-template default from."""
+    spec_decode: where preprocess reads its limits and chat-template default, and
+    `tokenizer_dir` the target."""
     if not (Path(repo_dir) / "spec_decode" / "config.pbtxt").exists():
         return ServingSettings()
     return read_settings(repo_dir)

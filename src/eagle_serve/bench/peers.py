@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from eagle_serve.client import Generation
+from eagle_serve.server.setup_env import default_gguf
 
 PEERS = ("hf", "llama.cpp")
 LLAMA_CPP_CONTEXT = 4096  # tokens: a held-out prompt and its answer, with room
@@ -68,5 +69,8 @@ def llama_cpp_peer(gguf: str | Path, folder: str):
     return generate
 
 
-def make_peer(name: str, folder: str, hf_dtype: str, gguf: str | Path):
-    return hf_peer(folder, hf_dtype) if name == "hf" else llama_cpp_peer(gguf, folder)
+def make_peer(name: str, folder: str, hf_dtype: str, gguf: str | Path | None):
+    """gguf: llama.cpp's file; None = the default target's."""
+    if name == "hf":
+        return hf_peer(folder, hf_dtype)
+    return llama_cpp_peer(gguf or default_gguf(), folder)

@@ -33,7 +33,6 @@ from eagle_serve.bench.peers import PEERS, make_peer
 from eagle_serve.client import grpc_generate, metrics
 from eagle_serve.core.requests import acceptance_length
 from eagle_serve.paths import read_prompts
-from eagle_serve.server.setup_env import default_gguf
 from eagle_serve.spec.lookup import SOURCES
 
 NAMED = {"default": {},                                              # the server's defaults
@@ -72,11 +71,11 @@ def parse_config(text: str) -> dict:
 
 def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, model: str,
             concurrency: int = 1, sampling: dict | None = None, seeded: bool = True,
-            peer_args: tuple[str, str, str] | None = None, ignore_eos: bool = False, mixed: bool = False) -> dict:
+            peer_args: tuple[str, str, str | None] | None = None, ignore_eos: bool = False, mixed: bool = False) -> dict:
     """Each group of `concurrency` prompts runs through every config in turn (its prompts as
     concurrent streams); tokens/s = a config's tokens over its groups' wall time. Sampled
     requests carry a seed per prompt unless `seeded` is false. peer_args: the peers' (target
-    folder, hf dtype, GGUF file) (default: the default target, bf16, its GGUF file).
+    folder, hf dtype, GGUF file or None) (default: the default target, bf16, its GGUF file).
     ignore_eos: every request emits max_tokens (as vLLM's and SGLang's serving benchmarks'
     --ignore-eos), so that configs whose sampled outputs differ still run the same work: a
     group's wall time is its longest stream's, and a group whose other streams stop early emits
@@ -90,8 +89,8 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     named_peers = [c for c in configs if c in PEERS]
     if named_peers and concurrency != 1:
         raise SystemExit(f"the {named_peers[0]} peer runs one stream: use --concurrency 1")
-    peer_args = peer_args or (str(paths.default_target_dir()), "bfloat16", str(default_gguf()))
-    peers = {c: make_peer(c, *peer_args) for c in named_peers}
+    peers = {c: make_peer(c, *(peer_args or (str(paths.default_target_dir()), "bfloat16", None)))
+             for c in named_peers}
     totals = {c: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "drafted": 0,
                   "same_as_first": 0, "compared": 0, "requests": 0} for c in configs}
     by_group: dict[str, list[tuple[int, float]]] = {c: [] for c in configs}  # (tokens, seconds)
@@ -232,7 +231,7 @@ def main(argv=None) -> None:
     results = measure(args.url, prompts, args.configs, args.max_tokens, args.model, args.concurrency,
                       {"temperature": args.temperature} if args.temperature else None,
                       seeded=not args.unseeded,
-                      peer_args=(args.hf_target, args.hf_dtype, args.gguf or str(default_gguf())),
+                      peer_args=(args.hf_target, args.hf_dtype, args.gguf),
                       ignore_eos=args.ignore_eos, mixed=args.mixed)
     if before is not None:
         after = source_counts(args.metrics_url)

@@ -60,7 +60,8 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     target = tokenizer_dir("target", Path(config.model_repository))
     tokenizer = text_tokenizer(target)  # not AutoTokenizer: see TextTokenizer
     model_id = config.model_name or target.name
-    max_model_len = read_settings(Path(config.model_repository)).scheduler.max_model_len or model_context(target)
+    settings = read_settings(Path(config.model_repository))
+    max_model_len = settings.scheduler.max_model_len or model_context(target)
     backend: SpecDecodeClient | None = None
 
     @asynccontextmanager
@@ -117,7 +118,7 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
             raise OpenAIError(503, f"Triton's metrics endpoint is not reachable: {error}") from None
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    tool_template = read_settings(Path(config.model_repository)).api.tool_call_template
+    tool_template = settings.api.tool_call_template
     model_renders_tools = tool_template == "model" or (
         tool_template == "auto" and "tools" in (tokenizer.tool_chat_template or ""))
 
