@@ -64,8 +64,28 @@ def _patch_the_language_once_per_launch() -> None:
     interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, launch
 
 
+def _map_dtypes_to_numpy_from_one_table() -> None:
+    """The interpreter maps a language dtype to numpy's (_get_np_dtype) through a table of 19
+    dtypes that it builds, hashing each, at every call: some 60,000 calls in one engine test's
+    generation. Here each dtype's mapping is looked up once, by its name (a block's: its
+    element's): the same mapping."""
+    from triton.runtime import interpreter
+
+    lookup, table = interpreter._get_np_dtype, {}
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, interpreter.tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        found = table.get(tt_dtype.name)
+        if found is None:
+            found = table[tt_dtype.name] = lookup(tt_dtype)
+        return found
+    interpreter._get_np_dtype = get_np_dtype
+
+
 if os.environ["TRITON_INTERPRET"] == "1":
     _patch_the_language_once_per_launch()
+    _map_dtypes_to_numpy_from_one_table()
 
 
 @pytest.fixture(scope="session")
@@ -136,18 +156,19 @@ def pytest_collection_modifyitems(items):
 
 
 # Modules asking for the same servers, each first for the one the module before it asked for
-# last: one xdist work unit each, so that one worker runs them one after the other and its
-# pool starts those servers once. The default model's server takes twice a tiny one's start.
+# last: one xdist work unit, so that one worker runs them one after the other and its pool
+# starts those servers once (the tiny one, asked for by each, once in the run). The default
+# model's server takes twice a tiny one's start.
 SHARED_SERVERS = {
-    "default-model": ("tests/bench/test_clients.py", "tests/triton_backend/test_server_e2e.py",
-                      "tests/triton_backend/test_triton_clients.py"),
-    "tiny-and-tight": ("tests/openai_api/test_openai_server.py", "tests/openai_api/test_openai_sampling.py",
-                       "tests/openai_api/test_openai_structured.py", "tests/server/test_reliability.py",
+    "shared-servers": ("tests/bench/test_clients.py", "tests/triton_backend/test_server_e2e.py",
+                       "tests/triton_backend/test_triton_clients.py", "tests/openai_api/test_openai_server.py",
+                       "tests/openai_api/test_openai_sampling.py", "tests/openai_api/test_openai_structured.py",
+                       "tests/server/test_reliability.py",
                        "tests/server/test_hardening.py"),  # last: its hang tests end their servers
 }
-# Servers every module of a unit asks for: kept live through it, beside two others (the
-# default model's ~3 GB with two tiny ones' ~1.8 GB each)
-KEEP_LIVE = {"default-model": {"default"}}
+# Servers the modules of a unit ask for again and again: kept live through it, beside two
+# others (the default model's ~3 GB, a tiny one's ~1.8 GB)
+KEEP_LIVE = {"shared-servers": {"default", "tiny64-eagle3"}}
 _UNIT = {module: unit for unit, modules in SHARED_SERVERS.items() for module in modules}
 _IN_UNIT = {module: i for modules in SHARED_SERVERS.values() for i, module in enumerate(modules)}
 

@@ -18,7 +18,7 @@ from eagle_serve.testing import force_gpu_kernels, make_random_head, make_tiny_l
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-path-models")
-    target = make_tiny_llama(root / "target", vocab_size=4096)
+    target = make_tiny_llama(root / "target", vocab_size=4096, num_layers=3)  # the interpreter's cost
     return target, make_random_head(root / "eagle3", target, 3, draft_vocab_size=1024)
 
 

@@ -1,14 +1,14 @@
-"""Every kernel variant the launchers can pick compiles for sm_90 (H100), and for sm_80 (A100)
-where the two lower it differently, no GPU needed: catches what the interpreter lets by
-(loop-carried types, dot shapes, casts), all of which Triton checks on its way to PTX. One variant
-of each kernel per dtype goes on through Triton's bundled ptxas to a cubin (which catches
-instructions the architecture lacks) for those two and for sm_75 (T4: float16 and float32, no
-bfloat16), sm_86 (A10, RTX 30), sm_89 (L4, L40S) and sm_100 (B200). The variants are those
-eagle_serve/kernels/warmup.py enumerates (through the launchers' own tile functions) for two
-served shapes: SmolLM2-135M (9 q / 3 kv heads, head_dim 64) and a Llama-3.1-8B (32 / 8, head_dim
-128), in bfloat16 and float32 (the two attention precisions), with float16 spot checks. The Triton
-version must be the GPU image's (requirements-gpu.txt). Runs in a subprocess, since the test
-process's triton was imported with TRITON_INTERPRET=1."""
+"""Every kernel variant the launchers can pick (every tile; the attention's flags on one, see specs)
+compiles for sm_90 (H100), and for sm_80 (A100) where the two lower it differently, no GPU needed:
+catches what the interpreter lets by (loop-carried types, dot shapes, casts), all of which Triton
+checks on its way to PTX. One variant of each kernel per dtype goes on through Triton's bundled
+ptxas to a cubin (which catches instructions the architecture lacks) for those two and for sm_75
+(T4: float16 and float32, no bfloat16), sm_86 (A10, RTX 30), sm_89 (L4, L40S) and sm_100 (B200).
+The variants are those eagle_serve/kernels/warmup.py enumerates (through the launchers' own tile
+functions) for two served shapes: SmolLM2-135M (9 q / 3 kv heads, head_dim 64) and a Llama-3.1-8B
+(32 / 8, head_dim 128), in bfloat16 and float32 (the two attention precisions), with float16 spot
+checks. The Triton version must be the GPU image's (requirements-gpu.txt). Runs in a subprocess,
+since the test process's triton was imported with TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import itertools
@@ -47,15 +47,17 @@ def specs():
         group = shape["q_heads"] // shape["kv_heads"]
         for dtype in ("bf16", "fp32", "fp16"):
             tiles = smallest_inputs(lambda q: pa.attention_tile(group, q), range(1, MAX_QUERIES + 1))
-            # The flags (tree mask, window, soft-cap) act on the float32 score tile, the same
-            # code whatever the input dtype, which changes only the loads and the dots, whose
-            # lowering depends on the tile. So: bfloat16 (served on GPUs) with every tile, tree
-            # or not, and each window/soft-cap combination (Mistral, Qwen2, Gemma) on one tile;
-            # float32 with every tile; float16 (sm_75) with one.
-            flags = dtype == "bf16"
+            # The flags (tree mask, window, soft-cap) act on the float32 score tile [BLOCK_M,
+            # BLOCK_N] with elementwise code (the tree mask's load too), the same whatever the
+            # input dtype and the head size, which change only the loads and the dots, whose
+            # lowering depends on the tile. So: every tile without flags in bfloat16 (served on
+            # GPUs) and float32, float16 (sm_75) on one; every combination of the flags (trees;
+            # Mistral's, Qwen2's and Gemma's windows and soft-caps) on one bfloat16 tile of the
+            # Llama-3.1-8B shape, whose heads those models share.
+            flagged = dtype == "bf16" and shape["head_dim"] == 128
             for i, (block_m, block_q) in enumerate(list(tiles)[:1] if dtype == "fp16" else tiles):
-                extras = [(False, False)] + ([(True, False), (False, True), (True, True)] if flags and i == 0 else [])
-                for tree, (window, softcap) in itertools.product((False, True) if flags else (False,), extras):
+                combos = itertools.product((False, True), repeat=3) if flagged and i == 0 else [(False,) * 3]
+                for tree, window, softcap in combos:
                     add(pa._paged_attention_kernel,
                         [f"*{dtype}"] * 3 + [I64] * 3 + ["*i8", I64, f"*{dtype}", "fp32", I32, "fp32"]
                         + [I32] * 13,
@@ -94,10 +96,12 @@ def specs():
 
 def tensor_core_dots(spec) -> bool:
     """Whether a variant's dots run on tensor cores, which sm_80 (mma) and sm_90 (wgmma) lower
-    differently: attention in bfloat16 or float16. The other kernels have no dot, and float32
-    attention's ieee dots become the same FMAs on both."""
-    kernel, types, _ = spec
-    return kernel.__name__ == "_paged_attention_kernel" and types[0] != "*fp32"
+    differently, with the score tile in each one's own layout: attention in bfloat16 or float16
+    without flags, or with all three (the flags' elementwise code in sm_80's layout once). The
+    other kernels have no dot, and float32 attention's ieee dots become the same FMAs on both."""
+    kernel, types, constexprs = spec
+    flags = {constexprs[f] for f in ("HAS_TREE", "HAS_WINDOW", "HAS_SOFTCAP")} if "HAS_TREE" in constexprs else set()
+    return kernel.__name__ == "_paged_attention_kernel" and types[0] != "*fp32" and len(flags) == 1
 
 
 def jobs() -> list[tuple[int, tuple, bool]]:

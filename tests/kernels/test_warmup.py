@@ -61,10 +61,10 @@ def recorder():
 
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory):
-    """A GQA tiny Llama (group 2) with a 4096-token vocabulary and an EAGLE-3 head drafting
-    over 1024 of them: every kernel path, small enough for the interpreter."""
+    """A GQA tiny Llama (group 2, 3 layers) with a 4096-token vocabulary and an EAGLE-3 head
+    drafting over 1024 of them: every kernel path, small enough for the interpreter."""
     root = tmp_path_factory.mktemp("warmup-models")
-    target = make_tiny_llama(root / "target", vocab_size=4096)
+    target = make_tiny_llama(root / "target", vocab_size=4096, num_layers=3)
     return target, make_random_head(root / "eagle3", target, 3, draft_vocab_size=1024)
 
 

@@ -1,5 +1,5 @@
-"""The OpenAI server tests' shared servers: the tiny float64 eagle3 server of the pool and an
-OpenAI server in front of it, one per module, and the target's tokenizer."""
+"""The OpenAI server tests' shared servers: the tiny float64 eagle3 server of the pool, an
+OpenAI server in front of it shared by the modules here, and the target's tokenizer."""
 from __future__ import annotations
 
 import pytest
@@ -14,11 +14,21 @@ def tiny(triton_server, tiny_models):
     return tiny_server(triton_server, tiny_models, "eagle3")
 
 
+@pytest.fixture(scope="session")
+def _fronts():
+    """OpenAI servers by the tritonserver they front: one for every module here (a launch
+    imports the server's stack, seconds), another only where the pool started that again."""
+    fronts = {}
+    yield fronts
+    for front in fronts.values():
+        front.stop()
+
+
 @pytest.fixture(scope="module")
-def api(tiny, tmp_path_factory):
-    server = launch_openai(tiny, tmp_path_factory.mktemp("openai") / "openai.log")
-    yield server
-    server.stop()
+def api(tiny, _fronts, tmp_path_factory):
+    if tiny.grpc_url not in _fronts:
+        _fronts[tiny.grpc_url] = launch_openai(tiny, tmp_path_factory.mktemp("openai") / "openai.log")
+    return _fronts[tiny.grpc_url]
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,9 @@ def replicas(tmp_path_factory, triton_server, tiny_models):
     ports = port_block()
     folder = tmp_path_factory.mktemp("replicas")
     log_path = folder / "replicas.log"
-    repo = copy_repository(paths.REPO_ROOT / "model_repository", folder / "repo", None, {"spec_decode": {
+    # the models the OpenAI servers call: spec_decode and its two (no ensemble)
+    repo = copy_repository(paths.REPO_ROOT / "model_repository", folder / "repo",
+                           ["spec_decode", "eagle_target", "eagle_drafter"], {"spec_decode": {
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
         "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
         "num_target_pages": "512", "num_drafter_pages": "512"}})

@@ -4,7 +4,8 @@ On a GPU every device-to-host read, every copy of host data to the device and ev
 whose size depends on device data stalls the host (eagle_serve.tools.host_syncs). Counted here on
 CPU with every kernel dispatcher on its GPU path (the Triton kernels, through the
 interpreter): the number per `Engine.step()` (a verify pass, acceptance and the next drafts)
-must be the same for 1 or 2 requests and for a 3- or 4-layer target, and stay within a budget.
+must be the same for 1 request on a 3-layer target as for 2 on a 4-layer one (a sync per
+request or per layer adds to the second; nothing takes one away), and stay within a budget.
 Confidence limits are off so that every round drafts the same shape.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ def syncs_per_round(models, layers: int, num_requests: int, params: dict) -> lis
 def test_a_round_syncs_as_often_whatever_the_batch_size_and_layer_count(case, models, kernels_on_cpu):
     params, budget = ROUNDS[case]
     counts = {(layers, n): syncs_per_round(models, layers, n, params)
-              for layers, n in ((3, 1), (3, 2), (4, 2))}
+              for layers, n in ((3, 1), (4, 2))}
     assert len({c for per_round in counts.values() for c in per_round}) == 1, counts
     assert counts[(3, 1)][0] <= budget, counts
 

@@ -16,6 +16,7 @@ from eagle_serve.client import grpc_generate, http_generate, http_generate_strea
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.core.tokenization import encode_prompt
 from eagle_serve.local import build_local_engine
+from eagle_serve.settings import ServingSettings
 from eagle_serve.spec.lookup import SOURCES
 
 pytestmark = pytest.mark.server
@@ -219,12 +220,12 @@ def test_tree_requests_through_the_server_equal_plain_greedy(triton_server, tiny
 
 def test_a_coupled_server_gives_seeded_sampled_requests_plain_samplings_tokens(triton_server,
                                                                               tiny_models):
-    """sampled_verify=coupled: seeded requests drafting chains (draft_topk 1) and the default
-    coupled trees (coupled_draft_topk x sampled_draft_depth), alone and batched,
-    give the tokens the same request gets with k = 0 (the drafter is told which rows are
-    coupled over BLS, and sends no probabilities for them)."""
-    server = tiny_server(triton_server, tiny_models, "eagle3", "tiny64-coupled",
-                         sampled_verify="coupled")
+    """sampled_verify=coupled (the shipped default): seeded requests drafting chains
+    (draft_topk 1) and the default coupled trees (coupled_draft_topk x sampled_draft_depth),
+    alone and batched, give the tokens the same request gets with k = 0 (the drafter is told
+    which rows are coupled over BLS, and sends no probabilities for them)."""
+    assert ServingSettings().drafting.sampled_verify == "coupled"
+    server = tiny_server(triton_server, tiny_models, "eagle3")
     shapes = [dict(num_speculative_tokens=3, draft_topk=1), dict(num_speculative_tokens=4)]
     jobs = [(PROMPTS[i], dict(max_tokens=14, temperature=0.9, top_p=0.95, seed=40 + i,
                               ignore_eos=True, stream=True)) for i in range(4)]
