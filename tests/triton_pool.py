@@ -189,12 +189,13 @@ def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
 
 
 @contextmanager
-def serve_tiny(tmp_path: Path, tiny_models: dict[str, Path], openai: bool = False):
+def serve_tiny(tmp_path: Path, tiny_models: dict[str, Path], openai: bool = False,
+               models: list[str] | None = None):
     """`python -m eagle_serve.server.serve` (what `make serve` runs: the supervised tritonserver, and
-    the OpenAI server if `openai`) on the float64 tiny model with k = 2, not waited for ->
-    its process, with .http, .grpc and .metrics (host:port), .openai_port and .log_path; its process
-    group is killed at the end."""
-    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", None, {"spec_decode": {
+    the OpenAI server if `openai`) on the float64 tiny model with k = 2 (`models` of the
+    repository, all by default), not waited for -> its process, with .http, .grpc and .metrics
+    (host:port), .openai_port and .log_path; its process group is killed at the end."""
+    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo", models, {"spec_decode": {
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
         "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
         "num_target_pages": "256", "num_drafter_pages": "256"}})

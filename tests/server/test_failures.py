@@ -17,19 +17,25 @@ from eagle_serve.server.health import in_flight
 from eagle_serve.server.processes import model_processes
 
 pytestmark = pytest.mark.server
+MODELS = ["spec_decode", "eagle_target", "eagle_drafter"]  # what the OpenAI server calls
 
 
 @pytest.fixture(scope="module")
 def supervised(tmp_path_factory, tiny_models, triton_server):
-    """`python -m eagle_serve.server.serve` (what `make serve` runs) on the tiny float64 model,
-    answering; one for the module: each kill test leaves it answering again, and the SIGTERM
+    """`python -m eagle_serve.server.serve` (what `make serve` runs) on the tiny float64 model
+    (MODELS: each restart starts those alone), answering; one for the module: each kill test leaves it answering again, and the SIGTERM
     test, last, ends it."""
     triton_server.stop_idle()
-    with serve_tiny(tmp_path_factory.mktemp("supervised"), tiny_models, openai=True) as proc:
-        assert wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=2, timeout_s=10).error is None, 240)
+    with serve_tiny(tmp_path_factory.mktemp("supervised"), tiny_models, openai=True, models=MODELS) as proc:
+        assert wait_until(lambda: answers(proc), 240)
         assert wait_until(lambda: openai_chat(proc), 120), proc.log_path.read_text()[-3000:]
         proc.front = front_process(proc)
         yield proc
+
+
+def answers(proc) -> bool:
+    """tritonserver answers a short request."""
+    return http_generate(proc.http, "Hi", model="spec_decode", max_tokens=2, timeout_s=10).error is None
 
 
 def openai_chat(proc) -> bool:
@@ -70,7 +76,7 @@ def kill_during_stream(proc, model: str) -> tuple[object, float, str]:
     model_processes(psutil.Process(proc.pid))[model].kill()
     front_down = wait_until(lambda: get(f"http://127.0.0.1:{proc.openai_port}/health")[0] == 503, 60, 0.2)
     thread.join(60)
-    recovered = wait_until(lambda: http_generate(proc.http, "Hi", max_tokens=4, timeout_s=10).error is None, 180)
+    recovered = wait_until(lambda: answers(proc), 180)
     log = proc.log_path.read_text(errors="replace")[start:]
     assert recovered, log[-3000:]
     assert front_down, "the OpenAI server's /health did not answer 503 while tritonserver was down"

@@ -251,7 +251,7 @@ def test_coupled_sampled_requests_give_plain_seeded_sampling_tokens_whatever_the
     "auto" (served) couples the requests that give a seed, and only those."""
     target_dir = make_tiny_llama(tmp_path / "t6", vocab_size=6, seed=3)
     head_dir = make_random_head(tmp_path / "h6", target_dir, 1, seed=4)
-    n, prompt = 96, [5, 0, 4, 5, 0, 4, 5, 0]
+    n, prompt = 48, [5, 0, 4, 5, 0, 4, 5, 0]
 
     def run(k: int, tree: dict | None = None, **config):
         engine = tiny_engine(target_dir, head_dir, sampled_verify=mode, max_running=16,
