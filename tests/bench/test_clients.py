@@ -1,5 +1,6 @@
 """The shipped clients run as users run them: generate.py and `eagle-serve bench` as subprocesses against
-the real server, locust through load_tests/run.sh, and the compose file's structure."""
+the real server (two benches in this process, on the worker's imports), locust through
+load_tests/run.sh, and the compose file's structure."""
 from __future__ import annotations
 
 import csv
@@ -24,6 +25,15 @@ LOCUST = str(Path(sys.executable).with_name("locust"))
 
 def run(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+
+
+def bench_in_process(capsys, name: str, *args: str) -> str:
+    """The stdout of `eagle-serve bench NAME ARGS` run in this process (the command's entry point
+    runs as a subprocess in the tests of other benches; here the worker's imports are reused)."""
+    import importlib
+
+    assert importlib.import_module(f"eagle_serve.bench.{name}").main(list(args)) in (0, None)
+    return capsys.readouterr().out
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
@@ -73,16 +83,15 @@ def test_generate_cli_exits_nonzero_with_the_servers_error(triton_server):
 
 @pytest.mark.server
 def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_server, tiny_models,
-                                                                      tmp_path):
+                                                                      tmp_path, capsys):
     server = tiny_server(triton_server, tiny_models, "eagle3")  # its default k is 3
     prompts = prompts_file(tmp_path)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    got = run([sys.executable, "-m", "eagle_serve", "bench", "modes", "--prompts", str(prompts), "--max-tokens", "12",
-               "--modes", ",".join(MODES), "--json", str(out), "--plot", str(png),
-               "--url", server.grpc_url, "--metrics-url", server.metrics_url,
-               "--concurrency", "1,2", "--target", str(tiny_models["target"]),
-               "--dtype", "float64"])
-    assert got.returncode == 0, got.stderr[-3000:]
+    stdout = bench_in_process(capsys, "modes", "--prompts", str(prompts), "--max-tokens", "12",
+                              "--modes", ",".join(MODES), "--json", str(out), "--plot", str(png),
+                              "--url", server.grpc_url, "--metrics-url", server.metrics_url,
+                              "--concurrency", "1,2", "--target", str(tiny_models["target"]),
+                              "--dtype", "float64")
     modes = json.loads(out.read_text())["modes"]
     assert set(modes) == set(MODES)
     outputs = [modes[m]["outputs"] for m in MODES]
@@ -100,7 +109,7 @@ def test_bench_modes_agree_token_for_token_on_the_float64_tiny_model(triton_serv
         assert set(mode["by_concurrency"]) == {"1", "2"}
         assert all(c["tokens_per_s"] > 0 for c in mode["by_concurrency"].values())
     assert png.stat().st_size > 10_000
-    assert "vanilla" in got.stdout and "hf-lookup" in got.stdout  # the printed table
+    assert "vanilla" in stdout and "hf-lookup" in stdout  # the printed table
 
 
 def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_length_sampled_output(
@@ -132,22 +141,21 @@ def test_speedup_matrix_runs_every_case_with_identical_greedy_output_and_full_le
 
 
 def test_speedup_curve_runs_hf_generate_as_a_peer_interleaved_with_the_server(triton_server, tiny_models,
-                                                                             tmp_path):
+                                                                             tmp_path, capsys):
     server = tiny_server(triton_server, tiny_models, "eagle3")
     prompts = prompts_file(tmp_path)
     out, png = tmp_path / "curve.json", tmp_path / "curve.png"
-    got = run([sys.executable, "-m", "eagle_serve", "bench", "serve", "--prompts", str(prompts), "--max-tokens", "8",
-               "--configs", "0", "default", "hf", "--url", server.grpc_url, "--json", str(out),
-               "--plot", str(png), "--hf-target", str(tiny_models["target"]), "--hf-dtype", "float64"])
-    assert got.returncode == 0, got.stderr[-3000:]
+    stdout = bench_in_process(capsys, "serve", "--prompts", str(prompts), "--max-tokens", "8",
+                              "--configs", "0", "default", "hf", "--url", server.grpc_url, "--json", str(out),
+                              "--plot", str(png), "--hf-target", str(tiny_models["target"]), "--hf-dtype", "float64")
     results = json.loads(out.read_text())
     assert results["hf"]["tokens_per_s"] > 0 and results["hf"]["tau"] == 0
     assert results["0"]["speedup_interval"] == [1.0, 1.0] and png.stat().st_size > 10_000
     assert all(lo <= results[c]["speedup"] <= hi for c in ("default", "hf")
                for lo, hi in [results[c]["speedup_interval"]])
     assert all(results[c]["same_as_first"] == 2 for c in ("default", "hf"))  # float64: HF's tokens
-    assert re.search(r"hf: +[0-9.]+ tok/s", got.stdout)
-    from eagle_serve.bench.serve import main  # the refusals in process: the command line above
+    assert re.search(r"hf: +[0-9.]+ tok/s", stdout)
+    from eagle_serve.bench.serve import main  # the refusals
 
     for args, message in ((["--configs", "0", "hf", "--concurrency", "2"], "one stream"),
                           (["--mixed", "--temperature", "0.7"], "--concurrency 2 or more")):

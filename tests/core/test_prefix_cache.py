@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from eagle_serve import paths
 from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
+from eagle_serve.engine import Engine
 from eagle_serve.local import build_local_engine
 from eagle_serve.testing import TINY_VOCAB, tiny_engine
 
@@ -159,11 +160,18 @@ def test_a_long_prompt_is_computed_over_several_rounds_while_others_decode(tiny_
 
 @pytest.fixture(scope="module")
 def default_engine_kv():
+    """-> kv_after(prompt, **overrides): every layer's K/V in the first 4 pages after an engine
+    of its own prefilled `prompt`, on the default target loaded once here: its cache zeroed,
+    as a new one is, and a fresh pool, which hands out pages 0, 1, 2, ... in order."""
+    loaded = build_local_engine(paths.default_target_dir(), None, dtype="float32",
+                                num_target_pages=16, enable_prefix_caching=False)
+    cache = loaded.target.cache
+
     def kv_after(prompt: list[int], **overrides) -> list[torch.Tensor]:
-        engine = build_local_engine(paths.default_target_dir(), None, dtype="float32",
-                                    num_target_pages=16, enable_prefix_caching=False, **overrides)
+        for tensor in cache.keys + cache.values:
+            tensor.zero_()
+        engine = Engine(loaded.target, None, loaded.config.with_values(**overrides), loaded.tokenizer)
         engine.generate([prompt], SamplingParams(max_tokens=1, num_speculative_tokens=0))
-        cache = engine.target.cache  # a fresh pool hands out pages 0, 1, 2, ... in order
         return [torch.stack([k[:4], v[:4]]) for k, v in zip(cache.keys, cache.values)]
     return kv_after
 
