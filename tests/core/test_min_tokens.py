@@ -159,8 +159,8 @@ def test_sampled_output_with_min_tokens_follows_the_target_law_with_eos_masked(t
                                  top_k=top_k, seed=i, num_speculative_tokens=2) for i in range(n)]
         return engine, engine.generate([prompt] * n, params), drafted
 
-    _, free, _ = run(0, n // 10)
-    assert sum(len(r.token_ids) < length for r in free) > n / 100  # EOS often comes first unmasked
+    _, free, _ = run(0, n // 10)  # a tenth of the requests shows it
+    assert sum(len(r.token_ids) < length for r in free) > len(free) / 10  # EOS often comes first unmasked
     engine, results, drafted = run(3, n)
     assert all(len(r.token_ids) == length and eos not in r.token_ids[:3] for r in results)
     assert drafted[0] > 50  # the drafter proposed EOS below min_tokens; all were rejected

@@ -79,9 +79,8 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     ignore_eos: every request emits max_tokens (as vLLM's and SGLang's serving benchmarks'
     --ignore-eos), so that configs whose sampled outputs differ still run the same work: a
     group's wall time is its longest stream's, and a group whose other streams stop early emits
-    fewer tokens in that time. mixed: every
-    other stream of a group (the 2nd, 4th, ...) is sampled, the rest greedy, as traffic of both
-    kinds shares the batch; only the greedy streams' outputs are compared (`compared`), and
+    fewer tokens in that time. mixed: every other stream of a group (the 2nd, 4th, ...) is
+    sampled, the rest greedy, as traffic of both kinds shares the batch; only the greedy streams' outputs are compared (`compared`), and
     `speedup_by_kind` is each kind's tokens over its requests' latencies against the first
     config's (a group's wall time is its slowest stream's: where one kind gains and the other
     waits on its verify rows, the group's speedup shows the slower kind, the latencies both)."""
