@@ -163,12 +163,12 @@ SHARED_SERVERS = {
     "shared-servers": ("tests/bench/test_clients.py", "tests/triton_backend/test_server_e2e.py",
                        "tests/triton_backend/test_triton_clients.py", "tests/openai_api/test_openai_server.py",
                        "tests/openai_api/test_openai_sampling.py", "tests/openai_api/test_openai_structured.py",
-                       "tests/server/test_reliability.py",
+                       "tests/server/test_reliability.py", "tests/tools/test_gpu_check.py",
                        "tests/server/test_hardening.py"),  # last: its hang tests end their servers
 }
 # Servers the modules of a unit ask for again and again: kept live through it, beside two
 # others (the default model's ~3 GB, a tiny one's ~1.8 GB)
-KEEP_LIVE = {"shared-servers": {"default", "tiny64-eagle3"}}
+KEEP_LIVE = {"shared-servers": {"default", "tiny64-eagle3", "tiny64-eagle1"}}
 _UNIT = {module: unit for unit, modules in SHARED_SERVERS.items() for module in modules}
 _IN_UNIT = {module: i for modules in SHARED_SERVERS.values() for i, module in enumerate(modules)}
 

@@ -78,20 +78,27 @@ class ServerPool:
     def _make_room(self) -> None:
         idle = [name for name in self.servers if self._asked_by[name] != self.module and name not in self.keep]
         while len(self.servers) >= self.max_live and idle:
-            self._retire(self.servers.pop(idle.pop(0)))
+            self.retire(self.servers.pop(idle.pop(0)))
         while len(self.servers) >= self.max_module:
             oldest = sorted(self.servers, key=lambda name: name in self.keep)[0]
-            self._retire(self.servers.pop(oldest))
+            self.retire(self.servers.pop(oldest))
+
+    def discard(self, name: str) -> None:
+        """Forget a server a test ended (a hung model stops it): asked for again, it starts anew."""
+        server = self.servers.pop(name, None)
+        if server is not None:
+            self.retire(server)
 
     def stop_idle(self) -> None:
         """Stop the live servers the running module has not asked for: before a test starts
         servers of its own (`make serve`, replicas), beside which an idle one is only memory."""
         for name in [name for name in self.servers if self._asked_by[name] != self.module]:
-            self._retire(self.servers.pop(name))
+            self.retire(self.servers.pop(name))
 
-    def _retire(self, server: TritonServer) -> None:
+    def retire(self, server: TritonServer) -> None:
         """SIGTERM now, reaped at the next start or at close: tritonserver's unload is seconds of
-        mostly waiting (it checks its models once a second), which no test needs to wait for."""
+        mostly waiting (it checks its models once a second), which no test needs to wait for
+        (also for a server a test launched itself)."""
         if server.process.poll() is None:
             signal_group(server.process.pid, signal.SIGTERM)
         self._retiring.append((server, time.monotonic()))
@@ -108,7 +115,7 @@ class ServerPool:
     def close(self) -> None:
         """Every server stopped, all at once (each may take seconds to drain)."""
         for server in self.servers.values():
-            self._retire(server)
+            self.retire(server)
         self.servers.clear()
         self._reap(wait=True)
 
@@ -124,20 +131,41 @@ def tiny_server(pool: ServerPool, tiny_models: dict[str, Path], head: str, name:
                 **settings: str) -> TritonServer:
     """The float64 tiny Llama (conftest's `tiny_models`) behind the random `head` ("eagle3" or
     "eagle1"), k = 3 by default: the server of the exact-equality tests. Other spec_decode
-    `settings` need a server of their own `name`."""
-    return pool(name or f"tiny64-{head}", overrides={"spec_decode": {
+    `settings` need a server of their own `name`. Behind "eagle1" the cache is SMALL_CACHE:
+    its tests run with preemption too, and test_reliability's burst overflows it. HANGABLE."""
+    name = name or f"tiny64-{head}"
+    cache = SMALL_CACHE if head == "eagle1" else {"num_target_pages": "256", "num_drafter_pages": "256"}
+    return pool(name, overrides={"spec_decode": {
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models[head]),
-        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "256", "num_drafter_pages": "256", **CHAINS, **settings}})
+        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8", **cache,
+        "model_call_timeout_s": "3", **CHAINS, **settings}, **hang_hooks(pool, name)})
+
+
+# 24 pages of 8 = 192 positions a pool: a burst of requests overflows it many times
+SMALL_CACHE = {"num_target_pages": "24", "num_drafter_pages": "24", "max_running": "8", "max_model_len": "160"}
 
 
 def tight_server(pool: ServerPool, tiny_models: dict[str, Path]) -> TritonServer:
-    """8 pages of 8 = 64 positions, one running request and one waiting: easy to overfill."""
+    """12 pages of 8 = 96 positions, one running request and one waiting: easy to overfill. The
+    chat template is off by default, as Triton's OpenAI frontend needs (test_triton_clients):
+    the limits' tests send raw text alike."""
     return pool("tiny64-tight", overrides={"spec_decode": {
         "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
         "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "8", "num_drafter_pages": "8", "max_running": "1",
-        "max_waiting": "1", "max_model_len": "160", **CHAINS}})
+        "num_target_pages": "12", "num_drafter_pages": "12", "max_running": "1",
+        "max_waiting": "1", "max_model_len": "160", "apply_chat_template": "false", **CHAINS}})
+
+
+# HANGABLE: a model call fails after 3 s (a tiny model's take milliseconds), and eagle_target
+# or eagle_drafter stalls every call while its `hang_file` exists: test_hardening hangs one in
+# each of the two kept in its xdist unit, as their last test, ending them.
+def hang_hooks(pool: ServerPool, name: str) -> dict[str, dict[str, str]]:
+    return {model: {"test_hang_file": str(hang_file(pool, name, model))} for model in ("eagle_target", "eagle_drafter")}
+
+
+def hang_file(pool: ServerPool, name: str, model: str) -> Path:
+    """While this file exists, `model` of the server `name` stalls every call (workers.py)."""
+    return pool.workdir / f"{name}.hang-{model}"
 
 
 # Requests that do not ask for a tree draft chains of k, and trees asked for are drafted in

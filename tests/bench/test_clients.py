@@ -1,5 +1,5 @@
 """The shipped clients run as users run them: generate.py and `eagle-serve bench` as subprocesses against
-the real server (two benches in this process, on the worker's imports), locust through
+the real server (most benches in this process, on the worker's imports), locust through
 load_tests/run.sh, and the compose file's structure."""
 from __future__ import annotations
 
@@ -227,15 +227,14 @@ def test_bench_expands_a_draft_tree_sweep_into_one_eagle_mode_per_shape():
 
 
 @pytest.mark.server
-def test_bench_sweeps_draft_trees_with_the_same_greedy_output(triton_server, tiny_models, tmp_path):
+def test_bench_sweeps_draft_trees_with_the_same_greedy_output(triton_server, tiny_models, tmp_path, capsys):
     server = tiny_server(triton_server, tiny_models, "eagle3")
     prompts = prompts_file(tmp_path, ["Name a color.", "List three prime numbers."])
     out = tmp_path / "bench.json"
-    got = run([sys.executable, "-m", "eagle_serve", "bench", "modes", "--prompts", str(prompts), "--max-tokens", "10",
-               "--modes", "vanilla,eagle", "--json", str(out), "--url", server.grpc_url,
-               "--metrics-url", server.metrics_url, "--k", "6", "--draft-topk", "1,3",
-               "--draft-depth", "3", "--warmup", "0"])
-    assert got.returncode == 0, got.stderr[-3000:]
+    stdout = bench_in_process(capsys, "modes", "--prompts", str(prompts), "--max-tokens", "10",
+                              "--modes", "vanilla,eagle", "--json", str(out), "--url", server.grpc_url,
+                              "--metrics-url", server.metrics_url, "--k", "6", "--draft-topk", "1,3",
+                              "--draft-depth", "3", "--warmup", "0")
     modes = json.loads(out.read_text())["modes"]
     assert list(modes) == ["vanilla", "eagle-topk1-depth3", "eagle-topk3-depth3"]
     assert all(m["outputs"] == modes["vanilla"]["outputs"] for m in modes.values())
@@ -243,7 +242,7 @@ def test_bench_sweeps_draft_trees_with_the_same_greedy_output(triton_server, tin
         assert modes[name]["acceptance_length"] >= 1.0
         assert len(modes[name]["accepted_per_round_by_position"]) == 3
     assert modes["eagle-topk3-depth3"]["draft_topk"] == 3
-    assert "eagle-topk3-depth3" in got.stdout
+    assert "eagle-topk3-depth3" in stdout
 
 
 def locust_run(tmp_path: Path, server, seconds: int, *user_classes: str):
@@ -257,8 +256,9 @@ def locust_run(tmp_path: Path, server, seconds: int, *user_classes: str):
 
 
 @pytest.mark.server
-def test_locust_default_user_posts_generate_for_5_seconds_without_failures(triton_server, tmp_path):
-    got, rows = locust_run(tmp_path, default_server(triton_server), 5)
+def test_locust_default_user_posts_generate_for_3_seconds_without_failures(triton_server, tiny_models,
+                                                                         tmp_path):
+    got, rows = locust_run(tmp_path, tiny_server(triton_server, tiny_models, "eagle3"), 3)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     assert set(rows) == {("POST", "/generate"), ("", "Aggregated")}  # the HTTP user only
     assert int(rows["", "Aggregated"]["Request Count"]) > 0
@@ -269,7 +269,7 @@ def test_locust_default_user_posts_generate_for_5_seconds_without_failures(trito
 @pytest.mark.server
 def test_locust_grpc_stream_user_reports_ttft_and_inter_token_latency(triton_server, tiny_models,
                                                                       tmp_path):
-    got, rows = locust_run(tmp_path, tiny_server(triton_server, tiny_models, "eagle3"), 4,
+    got, rows = locust_run(tmp_path, tiny_server(triton_server, tiny_models, "eagle3"), 3,
                            "GrpcStreamUser")
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     names = {name for kind, name in rows if kind == "grpc"}

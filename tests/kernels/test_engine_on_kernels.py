@@ -22,7 +22,7 @@ def small_models(tmp_path_factory):
     return target, make_random_head(root / "eagle3", target, 3, draft_vocab_size=1024)
 
 
-PROMPTS = [list(range(5, 45)), list(range(100, 103))]  # 40 tokens: three pages of 16 (the 12
+PROMPTS = [list(range(5, 49)), list(range(100, 103))]  # 44 tokens: three pages of 16 (the 8
 # generated cross into a fourth), and 3
 SHAPES = {"plain": dict(num_speculative_tokens=0),
           "chain": dict(num_speculative_tokens=3, draft_topk=1),
@@ -30,7 +30,7 @@ SHAPES = {"plain": dict(num_speculative_tokens=0),
 
 
 def generate(engine, shape: dict, **sampling) -> list[list[int]]:
-    params = SamplingParams(max_tokens=12, ignore_eos=True, **shape, **sampling)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **shape, **sampling)
     return [r.token_ids for r in engine.generate(PROMPTS, params)]
 
 

@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_pool import CHAINS, tiny_server, wait_until
+from triton_pool import hang_file, tiny_server, wait_until
 
 from eagle_serve.client import grpc_generate
 from eagle_serve.server.health import in_flight
@@ -198,26 +198,22 @@ def test_streams_end_with_exactly_one_final_on_success_and_on_bad_input(triton_s
 
 @pytest.mark.parametrize("model", ["eagle_drafter", "eagle_target"])
 def test_a_model_call_that_hangs_fails_its_requests_in_time_and_turns_readiness_red(
-        triton_server, tiny_models, tmp_path, model):
-    hang = tmp_path / "hang"
-    server = triton_server(f"tiny64-hang-{model}", ["spec_decode", "eagle_target", "eagle_drafter"], {
-        "spec_decode": {"target_model": str(tiny_models["target"]),
-                        "drafter_model": str(tiny_models["eagle3"]), "dtype": "float64",
-                        "num_speculative_tokens": "2", "page_size": "8", "model_call_timeout_s": "3",
-                        **CHAINS},
-        model: {"test_hang_file": str(hang)}})
+        triton_server, tiny_models, model):
+    """The drafter hangs in the EAGLE-1 tiny server, the target in the EAGLE-3 one: the last test
+    on each in their xdist unit (SHARED_SERVERS, this module last)."""
+    server = tiny_server(triton_server, tiny_models, "eagle1" if model == "eagle_drafter" else "eagle3")
+    hang = hang_file(triton_server, server.name, model)
     results: dict = {}
 
     def run(i):
         results[i] = grpc_generate(server.grpc_url, f"{PROMPT} {i}", model="spec_decode",
-                                   max_tokens=1500, ignore_eos=True, stream=True, timeout_s=120)
+                                   max_tokens=48, ignore_eos=True, stream=True, timeout_s=120)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     assert wait_until(lambda: in_flight(server.metrics_url) == 2, 30, 0.05), "the streams never ran"
-    time.sleep(0.5)  # a few rounds in
-    hang.touch()
+    hang.touch()  # the next call of the model stalls: neither stream can end before it
     hung_at = time.monotonic()
     try:
         for t in threads:
@@ -239,3 +235,4 @@ def test_a_model_call_that_hangs_fails_its_requests_in_time_and_turns_readiness_
         print(f"{model} hung: requests failed after {failed_after:.1f} s, then the server stopped")
     finally:
         hang.unlink(missing_ok=True)
+        triton_server.discard(server.name)  # stopped: asked for again, it starts anew

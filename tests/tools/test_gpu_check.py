@@ -1,13 +1,16 @@
 """`make gpu-check` without a GPU: it says so, checks every kernel against its reference
 through the interpreter, measures row invariance, and compares plain decoding with the GPU
 config's settings on the float64 tiny model, greedy and seeded sampled requests alone and
-greedy ones 4 at a time (identical outputs required)."""
+greedy ones 4 at a time (identical outputs required), in process and through the tiny server
+(`--url`: the shared one; the server gpu-check starts without it is `launch`'s, as every
+server test's)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from triton_pool import tiny_server
 
 from eagle_serve.tools import gpu_check
 from eagle_serve.tools.gpu_forward import PATHS
@@ -16,11 +19,12 @@ from eagle_serve.tools.gpu_server import CASES
 
 @pytest.mark.server
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, run `make gpu-check`")
-def test_gpu_check_runs_its_cpu_parts_and_passes(tiny_models, capsys, tmp_path, no_idle_servers):
+def test_gpu_check_runs_its_cpu_parts_and_passes(triton_server, tiny_models, capsys, tmp_path):
+    server = tiny_server(triton_server, tiny_models, "eagle3")
     code = gpu_check.main(["--target", str(tiny_models["target"]),
                            "--drafter", str(tiny_models["eagle3"]), "--dtype", "float64",
                            "--num-prompts", "2", "--max-tokens", "8", "--require-identical",
-                           "--out", str(tmp_path)])
+                           "--url", server.grpc_url, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "no GPU" in out and "skipped (nothing to compile on CPU)" in out

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from triton_pool import default_server, tiny_server
+from triton_pool import default_server, tight_server
 
 from eagle_serve.client import metrics
 from eagle_serve.core.requests import SamplingParams
@@ -140,9 +140,9 @@ def test_the_request_genai_perf_builds_is_served_with_deterministic_lengths(trit
 
 @pytest.fixture(scope="module")
 def raw_prompt_server(triton_server, tiny_models):
-    """The tiny server with the chat template off by default: the frontend templates itself."""
-    return tiny_server(triton_server, tiny_models, "eagle3", name="tiny64-raw-prompts",
-                       apply_chat_template="false")
+    """A tiny server with the chat template off by default: the frontend templates itself (the
+    tight one, whose limits these sequential requests stay within)."""
+    return tight_server(triton_server, tiny_models)
 
 
 @pytest.fixture(scope="module")

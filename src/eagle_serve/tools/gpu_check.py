@@ -26,7 +26,8 @@
 
 8. through Triton (eagle_serve.tools.gpu_server): the real tritonserver serving the same
    models (configs/gpu.pbtxt on a GPU, CPU instances elsewhere), plain decoding against the
-   default through gRPC for the cases of step 4 (skip with --no-server).
+   default through gRPC for the cases of step 4 (skip with --no-server; --url HOST:PORT checks
+   a server already running instead, e.g. the compose one).
 
 `--out DIR` writes the results as gpu_check.json and a plot, gpu_check.png.
 
@@ -63,7 +64,7 @@ from eagle_serve.local import build_local_engine  # noqa: E402
 from eagle_serve.models.dtypes import torch_dtype  # noqa: E402
 from eagle_serve.settings import EngineConfig, ServingSettings  # noqa: E402
 from eagle_serve.tools.gpu_forward import forward_invariance, path_comparison  # noqa: E402
-from eagle_serve.tools.gpu_server import CASES, through_triton  # noqa: E402
+from eagle_serve.tools.gpu_server import CASES, through_server, through_triton  # noqa: E402
 
 GPU_CONFIG = paths.REPO_ROOT / "model_repository" / "spec_decode" / "configs" / "gpu.pbtxt"
 KERNELS = (lo._add_rms_norm_kernel, lo._rope_write_kv_kernel, lo._silu_mul_kernel, pa._paged_attention_kernel,
@@ -275,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require-identical", action="store_true")
     parser.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.png")
     parser.add_argument("--no-server", action="store_true", help="skip step 8 (through Triton)")
+    parser.add_argument("--url", default=None,
+                        help="step 8 on the server at this gRPC address (serving --target and --drafter) "
+                             "instead of one started for it")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if ON_GPU else "cpu")
     settings = gpu_settings().with_values(dtype=args.dtype)
@@ -339,10 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     served = {}
     if not args.no_server:
         name = str(dtype).removeprefix("torch.")
-        print(f"8. through Triton ({'configs/gpu.pbtxt' if ON_GPU else 'CPU instances'}), {len(texts)} "
-              f"prompts, plain (k=0) and the default in turn, through gRPC:", flush=True)
-        with tempfile.TemporaryDirectory() as work:
-            served = through_triton(Path(work), args.target, drafter, name, ON_GPU, texts, args.max_tokens)
+        where = f"the server at {args.url}" if args.url else "configs/gpu.pbtxt" if ON_GPU else "CPU instances"
+        print(f"8. through Triton ({where}), {len(texts)} prompts, plain (k=0) and the default in turn, "
+              f"through gRPC:", flush=True)
+        if args.url:
+            served = through_server(args.url, texts, args.max_tokens)
+        else:
+            with tempfile.TemporaryDirectory() as work:
+                served = through_triton(Path(work), args.target, drafter, name, ON_GPU, texts, args.max_tokens)
         for case, r in served.items():
             print(f"   {case:26s} k=0 {r['plain']:7.1f} tokens/s, default {r['default']:7.1f} "
                   f"({r['default'] / r['plain']:.2f}x, tau {r['tau']:.2f}), outputs identical to k=0: "

@@ -3,7 +3,8 @@ copy of the model repository that serves the checked target and head, in the GPU
 configuration (configs/gpu.pbtxt) on a GPU and the CPU one elsewhere; then plain decoding
 against the default through gRPC, prompt groups through both in turn (the order reversed
 every other group: eagle_serve.bench.serve.measure) for greedy requests alone, seeded
-temperature-0.7 requests alone and greedy requests 4 at a time.
+temperature-0.7 requests alone and greedy requests 4 at a time; or the same on a server already
+running (`--url`).
 """
 from __future__ import annotations
 
@@ -32,15 +33,19 @@ def through_triton(workdir: Path, target: str, drafter: str | None, dtype: str, 
     repo = served_repository(Path(workdir) / "repository", target, drafter, dtype)
     server = launch("gpu-check", repo, Path(workdir) / "server.log", "gpu" if on_gpu else None)
     try:
-        results = {}
-        for case, temperature, concurrency in CASES:
-            sampling = {"temperature": temperature} if temperature else None
-            got = measure(server.grpc_url, prompts, ["0", "default"], max_tokens, "spec_decode",
-                          concurrency, sampling)
-            plain, default = got["0"], got["default"]
-            results[case] = dict(plain=plain["tokens_per_s"], default=default["tokens_per_s"],
-                                 tau=default["tau"], same=default["same_as_first"],
-                                 compared=default["compared"], server_ready_s=round(server.ready_after_s, 1))
-        return results
+        return {case: r | dict(server_ready_s=round(server.ready_after_s, 1))
+                for case, r in through_server(server.grpc_url, prompts, max_tokens).items()}
     finally:
         server.stop()
+
+
+def through_server(url: str, prompts: list[str], max_tokens: int) -> dict[str, dict]:
+    """through_triton's cases on the server at gRPC address `url`."""
+    results = {}
+    for case, temperature, concurrency in CASES:
+        sampling = {"temperature": temperature} if temperature else None
+        got = measure(url, prompts, ["0", "default"], max_tokens, "spec_decode", concurrency, sampling)
+        plain, default = got["0"], got["default"]
+        results[case] = dict(plain=plain["tokens_per_s"], default=default["tokens_per_s"],
+                             tau=default["tau"], same=default["same_as_first"], compared=default["compared"])
+    return results
