@@ -23,8 +23,8 @@ MODELS = ["spec_decode", "eagle_target", "eagle_drafter"]  # what the OpenAI ser
 @pytest.fixture(scope="module")
 def supervised(tmp_path_factory, tiny_models, triton_server):
     """`python -m eagle_serve.server.serve` (what `make serve` runs) on the tiny float64 model
-    (MODELS: each restart starts those alone), answering; one for the module: each kill test leaves it answering again, and the SIGTERM
-    test, last, ends it."""
+    (MODELS: each restart starts those alone), answering; one for the module: each kill test
+    leaves it answering again, and the SIGTERM test, last, ends it."""
     triton_server.stop_idle()
     with serve_tiny(tmp_path_factory.mktemp("supervised"), tiny_models, openai=True, models=MODELS) as proc:
         assert wait_until(lambda: answers(proc), 240)

@@ -80,10 +80,11 @@ def measure(url: str, prompts: list[str], configs: list[str], max_tokens: int, m
     --ignore-eos), so that configs whose sampled outputs differ still run the same work: a
     group's wall time is its longest stream's, and a group whose other streams stop early emits
     fewer tokens in that time. mixed: every other stream of a group (the 2nd, 4th, ...) is
-    sampled, the rest greedy, as traffic of both kinds shares the batch; only the greedy streams' outputs are compared (`compared`), and
-    `speedup_by_kind` is each kind's tokens over its requests' latencies against the first
-    config's (a group's wall time is its slowest stream's: where one kind gains and the other
-    waits on its verify rows, the group's speedup shows the slower kind, the latencies both)."""
+    sampled, the rest greedy, as traffic of both kinds shares the batch; only the greedy
+    streams' outputs are compared (`compared`), and `speedup_by_kind` is each kind's tokens
+    over its requests' latencies against the first config's (a group's wall time is its
+    slowest stream's: where one kind gains and the other waits on its verify rows, the group's
+    speedup shows the slower kind, the latencies both)."""
     sampling = sampling or {}
     named_peers = [c for c in configs if c in PEERS]
     if named_peers and concurrency != 1:
