@@ -1,6 +1,7 @@
 """`make replicas N=2`: two real servers behind the real vllm-router, on the tiny float64 model
-(SERVE_ARGS=--model-repository=...): what is checked is the routing, the replicas' metrics and
-their restarts, not the model, and the tiny one starts in half the default one's time.
+without a drafter (SERVE_ARGS=--model-repository=...): what is checked is the routing, the
+replicas' metrics and their restarts, not the model, and the tiny one starts in half the
+default one's time.
 
 Which replica served a request is read from each replica's own Triton metrics (requests it
 finished), not from the router's account of itself.
@@ -115,12 +116,12 @@ def replicas(tmp_path_factory, triton_server, tiny_models):
     ports = port_block()
     folder = tmp_path_factory.mktemp("replicas")
     log_path = folder / "replicas.log"
-    # the models the OpenAI servers call: spec_decode and its two (no ensemble)
+    # the models the OpenAI servers call: spec_decode and the target (no ensemble; no drafter:
+    # routing and restarts are checked here, speculation through a server in test_server_e2e)
     repo = copy_repository(paths.REPO_ROOT / "model_repository", folder / "repo",
-                           ["spec_decode", "eagle_target", "eagle_drafter"], {"spec_decode": {
-        "target_model": str(tiny_models["target"]), "drafter_model": str(tiny_models["eagle3"]),
-        "dtype": "float64", "num_speculative_tokens": "2", "page_size": "8",
-        "num_target_pages": "512", "num_drafter_pages": "512"}})
+                           ["spec_decode", "eagle_target"], {"spec_decode": {
+        "target_model": str(tiny_models["target"]), "drafter_model": "none",
+        "dtype": "float64", "page_size": "8", "num_target_pages": "512"}})
     env = {**os.environ, **{k: str(v) for k, v in ports.items()}, "SERVE_ARGS": f"--model-repository={repo}"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(["make", "-s", "replicas", "N=2"], cwd=paths.REPO_ROOT, env=env,
