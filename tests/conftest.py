@@ -125,12 +125,6 @@ def _servers_know_the_module(request):
     pool.max_module = 2 + len(pool.keep)
 
 
-@pytest.fixture
-def no_idle_servers(triton_server):
-    """For a test that starts servers of its own: the pool's idle ones stopped first."""
-    triton_server.stop_idle()
-
-
 def pytest_collection_modifyitems(items):
     """Work units (a module, or a SHARED_SERVERS unit) in the order the workers take them
     (pytest_xdist_make_scheduler): those that start servers alternating with those holding
@@ -165,6 +159,8 @@ SHARED_SERVERS = {
                        "tests/openai_api/test_openai_sampling.py", "tests/openai_api/test_openai_structured.py",
                        "tests/server/test_reliability.py", "tests/tools/test_gpu_check.py",
                        "tests/server/test_hardening.py"),  # last: its hang tests end their servers
+    "prepost": ("tests/triton_backend/test_preprocess_postprocess_server.py",
+                "tests/server/test_health.py"),  # last: it kills a model process
 }
 # Servers the modules of a unit ask for again and again: kept live through it, beside two
 # others (the default model's ~3 GB, a tiny one's ~1.8 GB)

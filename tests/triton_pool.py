@@ -120,6 +120,12 @@ class ServerPool:
         self._reap(wait=True)
 
 
+def prepost_server(pool: ServerPool) -> TritonServer:
+    """preprocess and postprocess alone (the default model's tokenizer): their own tests, then
+    test_health's, which kills postprocess's process (conftest's SHARED_SERVERS unit "prepost")."""
+    return pool("prepost", models=["preprocess", "postprocess"])
+
+
 def default_server(pool: ServerPool) -> TritonServer:
     """The shipped configuration on the default model, with the static draft costs: measured
     costs follow the machine's load (another test worker's too), and with them which drafts are

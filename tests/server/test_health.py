@@ -1,6 +1,7 @@
 """`python -m eagle_serve.server.health` (the container's health check) against a real tritonserver:
 healthy while serving, unhealthy once a model's Python process is killed, although Triton
-itself keeps /v2/health/ready at 200."""
+itself keeps /v2/health/ready at 200. The server is the pool's preprocess + postprocess one,
+after test_preprocess_postprocess_server's tests (conftest's unit "prepost"); the kill ends it."""
 from __future__ import annotations
 
 import subprocess
@@ -9,12 +10,10 @@ import urllib.request
 
 import psutil
 import pytest
-from triton_pool import wait_until
+from triton_pool import prepost_server, wait_until
 
-from eagle_serve import paths
-from eagle_serve.server.launch import free_ports, launch
+from eagle_serve.server.launch import free_ports
 from eagle_serve.server.processes import model_processes
-from eagle_serve.triton_backend.repo_config import copy_repository
 
 pytestmark = pytest.mark.server
 
@@ -32,10 +31,8 @@ def ready_status(http_port: int) -> int | None:
         return None
 
 
-def test_health_fails_once_a_model_process_is_dead(tmp_path, no_idle_servers):
-    repo = copy_repository(paths.REPO_ROOT / "model_repository", tmp_path / "repo",
-                           ["preprocess", "postprocess"], None)
-    server = launch("health", repo, tmp_path / "server.log")
+def test_health_fails_once_a_model_process_is_dead(triton_server):
+    server = prepost_server(triton_server)
     try:
         healthy = health(server.http_port)
         assert healthy.returncode == 0, healthy.stderr
@@ -44,7 +41,7 @@ def test_health_fails_once_a_model_process_is_dead(tmp_path, no_idle_servers):
         assert "postprocess" in health(server.http_port).stderr
         print("/v2/health/ready after the stub died:", ready_status(server.http_port))
     finally:
-        server.stop()
+        triton_server.discard("prepost")
 
 
 def test_health_fails_without_a_server():

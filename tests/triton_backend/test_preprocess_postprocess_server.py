@@ -6,6 +6,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+from triton_pool import prepost_server
 from tritonclient.utils import InferenceServerException
 
 from eagle_serve import paths
@@ -19,7 +20,7 @@ PROTOCOLS = ["http", "grpc"]
 
 @pytest.fixture(scope="module")
 def server(triton_server):
-    return triton_server("prepost", models=["preprocess", "postprocess"])
+    return prepost_server(triton_server)
 
 
 @pytest.fixture(scope="module")
