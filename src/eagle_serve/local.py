@@ -10,7 +10,7 @@ from eagle_serve.engine import Engine
 from eagle_serve.models.checkpoints import load_drafter
 from eagle_serve.models.dtypes import torch_dtype
 from eagle_serve.models.target import TargetModel
-from eagle_serve.settings import EngineConfig, ModelSettings, ServingSettings, default_corpus_index
+from eagle_serve.settings import EngineConfig, ModelSettings, ServingSettings, default_corpus_index, setting_sections
 from eagle_serve.spec.lookup import load_corpus_index
 
 
@@ -28,8 +28,12 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None = 
     overrides: settings to replace, by their config names (EngineConfig.with_values)."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype, torch.device(device).type == "cuda", Path(target_dir))
-    config = config or EngineConfig.from_settings(ServingSettings().resolved(Path(target_dir), dtype.itemsize),
-                                                  eos_token_ids(target_dir))
+    if config is None:
+        # resolved with the overrides in place: num_drafter_pages 0 then follows an overridden
+        # num_target_pages, instead of what kv_cache_gib's default holds
+        served = {k: v for k, v in overrides.items() if k in setting_sections(ServingSettings)}
+        config = EngineConfig.from_settings(ServingSettings.of(**served).resolved(Path(target_dir), dtype.itemsize),
+                                            eos_token_ids(target_dir))
     config = config.with_values(**overrides)
     drafter = None
     if drafter_dir is not None:

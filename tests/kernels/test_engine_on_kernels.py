@@ -22,7 +22,7 @@ def small_models(tmp_path_factory):
     return target, make_random_head(root / "eagle3", target, 3, draft_vocab_size=1024)
 
 
-PROMPTS = [list(range(5, 49)), list(range(100, 103))]  # 44 tokens: three pages of 16 (the 8
+PROMPTS = [list(range(5, 25)), list(range(100, 103))]  # 20 tokens: three pages of 8 (the 8
 # generated cross into a fourth), and 3
 SHAPES = {"plain": dict(num_speculative_tokens=0),
           "chain": dict(num_speculative_tokens=3, draft_topk=1),
@@ -37,10 +37,10 @@ def generate(engine, shape: dict, **sampling) -> list[list[int]]:
 @pytest.mark.slow
 def test_greedy_output_on_the_kernels_is_the_reference_paths(small_models, monkeypatch):
     target, head = small_models
-    engine = build_local_engine(target, head, dtype=torch.float32, num_target_pages=256)
+    engine = build_local_engine(target, head, dtype=torch.float32, page_size=8, num_target_pages=256)
     expected = generate(engine, SHAPES["plain"])
     force_gpu_kernels(monkeypatch)
-    engine = build_local_engine(target, head, dtype=torch.float32, num_target_pages=256)
+    engine = build_local_engine(target, head, dtype=torch.float32, page_size=8, num_target_pages=256)
     for name, shape in SHAPES.items():
         assert generate(engine, shape) == expected, name
     assert generate(engine, SHAPES["chain"], temperature=0.8, top_k=1, seed=5) == expected

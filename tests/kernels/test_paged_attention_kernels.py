@@ -222,24 +222,30 @@ def tree_positions(n_q: list[int], seq_lens: list[int]) -> torch.Tensor:
 WINDOWED = [(1, 0.0), (6, 0.0), (9, 2.5), (0, 2.5), (100, 30.0)]
 
 
-@pytest.mark.parametrize("window,softcap", WINDOWED)
-@pytest.mark.parametrize("name", list(BATCHES))
-def test_windowed_soft_capped_attention_kernel_and_row_invariant_path_match_the_reference(name, window, softcap, rowwise_path):
-    batch = make_batch(*BATCHES[name], page_size=5, seed=5)
-    opts = dict(window=window, softcap=softcap)
-    ref = paged_attention_ref(*batch, 0.3, **opts)
-    torch.testing.assert_close(paged_attention(*batch, 0.3, impl="triton", **opts), ref, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(paged_attention_rowwise(*batch, 0.3, **opts), ref, atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.parametrize("window,softcap", WINDOWED)
-def test_windowed_soft_capped_tree_attention_matches_the_reference(window, softcap, rowwise_path):
+def windowed_batch(name: str | None, window: int, softcap: float):
+    """(batch, options) of BATCHES[name] (None: a batch of draft trees), windowed and soft-capped."""
+    if name is not None:
+        return make_batch(*BATCHES[name], page_size=5, seed=5), dict(window=window, softcap=softcap)
     n_q, seq_lens = [7, 1, 5, 0, 3], [30, 9, 5, 4, 13]
-    batch = make_batch(n_q, seq_lens, page_size=5, seed=6)
-    opts = dict(tree_mask=tree_masks(n_q), window=window, softcap=softcap,
-                positions=tree_positions(n_q, seq_lens))
+    return make_batch(n_q, seq_lens, page_size=5, seed=6), dict(
+        tree_mask=tree_masks(n_q), window=window, softcap=softcap, positions=tree_positions(n_q, seq_lens))
+
+
+# The kernel and the row-invariant paths are checked apart: the kernel (through the interpreter,
+# most of the cost) once, not again for each row-invariant path.
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("name", [*BATCHES, None], ids=[*BATCHES, "trees"])
+def test_windowed_soft_capped_attention_kernel_matches_the_reference(name, window, softcap):
+    batch, opts = windowed_batch(name, window, softcap)
     ref = paged_attention_ref(*batch, 0.3, **opts)
     torch.testing.assert_close(paged_attention(*batch, 0.3, impl="triton", **opts), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("name", [*BATCHES, None], ids=[*BATCHES, "trees"])
+def test_windowed_soft_capped_row_invariant_path_matches_the_reference(name, window, softcap, rowwise_path):
+    batch, opts = windowed_batch(name, window, softcap)
+    ref = paged_attention_ref(*batch, 0.3, **opts)
     torch.testing.assert_close(paged_attention_rowwise(*batch, 0.3, **opts), ref, atol=2e-5, rtol=2e-5)
 
 

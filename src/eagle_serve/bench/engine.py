@@ -96,6 +96,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    for setting in args.policy:  # refused before any model loads
+        policy_setting(EngineConfig.served(), setting)
     target = paths.resolve_model_path(args.target)
     engines = {d: build_local_engine(target, d) for d in args.drafters}
     first = next(iter(engines.values()))
