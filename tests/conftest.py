@@ -7,6 +7,7 @@ template) and its random heads that `triton_pool.tiny_server` serves (exact gree
 holds). `kernels_on_cpu` sends every kernel dispatcher down its
 GPU path (the Triton kernel, through the interpreter).
 """
+import gc
 import itertools
 import os
 import sys
@@ -31,6 +32,12 @@ from eagle_serve.server.launch import TritonServer  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # in case torch set up its threads before OMP_NUM_THREADS was set
+# The tests allocate millions of short-lived objects (the Triton interpreter's above all): at
+# Python's default thresholds a collection runs every 700 allocations and a full one, walking
+# torch's and transformers' millions of objects, every few seconds. Those imported so far are
+# frozen out of the walks, and the young generation collected less often.
+gc.freeze()
+gc.set_threshold(50_000, 20, 20)
 
 
 def _patch_the_language_once_per_launch() -> None:
