@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from eagle_serve.core.interfaces import DraftOutput, DraftShapes, RaggedBatch, RowSampling
 from eagle_serve.cpu.quant import round_to_q8_0
+from eagle_serve.local import build_local_engine
 from eagle_serve.models.checkpoints import read_target_tensor, save_head
 from eagle_serve.models.heads import EagleHead, random_head
 from eagle_serve.models.target import load_target_config
@@ -306,8 +307,6 @@ TEST_ENGINE = dict(num_speculative_tokens=4, draft_topk=1, draft_depth=0, max_tr
 def tiny_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, dtype="float64",
                 **overrides):
     """An in-process engine on a tiny model (float64) with TEST_ENGINE's settings."""
-    from eagle_serve.local import build_local_engine
-
     return build_local_engine(target_dir, head_dir, dtype=dtype, **{**TEST_ENGINE, **overrides})
 
 
@@ -316,8 +315,6 @@ def local_engine(target_dir: str | Path, head_dir: str | Path | None = None, *, 
     """An in-process engine with the served settings (not TEST_ENGINE's), no EOS and 64 KV
     pages, unless `overrides` say otherwise: the default cache (1 GiB, zeroed) costs a tiny
     model more than its run."""
-    from eagle_serve.local import build_local_engine
-
     return build_local_engine(target_dir, head_dir, dtype=dtype,
                               **{"eos_token_ids": (), "num_target_pages": 64, **overrides})
 
@@ -384,13 +381,22 @@ def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (d * q + m).reshape(n, k)
 
 
-def force_gpu_kernels(monkeypatch) -> None:
+def force_gpu_kernels(monkeypatch, use=lambda impl, tensor: impl != "ref") -> None:
     """Every dispatcher runs its Triton kernel (the GPU path), on CPU tensors too, through the
     interpreter (impl "ref" still the reference); the target's layers run fused."""
     from eagle_serve.kernels import layer_ops, paged_attention, rejection, sampling, workspace
 
     for module in (layer_ops, paged_attention, rejection, sampling, workspace):
-        monkeypatch.setattr(module, "use_kernel", lambda impl, tensor: impl != "ref")
+        monkeypatch.setattr(module, "use_kernel", use)
+
+
+@contextmanager
+def reference_ops(monkeypatch):
+    """Inside, every dispatcher runs its reference op, even under force_gpu_kernels: for a
+    test's setup (a prompt's KV), which the interpreter takes seconds to run."""
+    with monkeypatch.context() as patch:
+        force_gpu_kernels(patch, lambda impl, tensor: False)
+        yield
 
 
 def ragged_prefill(prompts: list[list[int]], pool) -> RaggedBatch:
@@ -401,13 +407,11 @@ def ragged_prefill(prompts: list[list[int]], pool) -> RaggedBatch:
             if n <= len(p):
                 pool.grow(t, n)
     width = max(len(t) for t in tables)
-    cu = [0]
-    for p in prompts:
-        cu.append(cu[-1] + len(p))
     return RaggedBatch(
         input_ids=torch.tensor([x for p in prompts for x in p]),
         positions=torch.tensor([i for p in prompts for i in range(len(p))]),
-        cu_seqlens=torch.tensor(cu), seq_lens=torch.tensor([len(p) for p in prompts]),
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(map(len, prompts))]),
+        seq_lens=torch.tensor([len(p) for p in prompts]),
         block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
         slot_mapping=torch.tensor([pool.slot(t, i) for t, p in zip(tables, prompts) for i in range(len(p))]))
 

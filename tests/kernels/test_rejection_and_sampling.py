@@ -127,17 +127,16 @@ def test_rejection_sampling_reproduces_the_target_distribution_over_two_position
     q = torch.softmax(torch.randn(2, vocab) * 1.5, dim=1)  # drafter at positions 0, 1
     q[0, 2] = 0.0  # a token the drafter never proposes must still come out (via the residual)
     q[0] /= q[0].sum()
-    counts = torch.zeros(vocab * vocab)
-    for trial in range(n):
-        seed = 1_000_003 * trial + 17
-        drafts = sample_ref(q, [seed, seed], [0, 1], DRAFT)
-        out, num = random_accept_ref(drafts, torch.tensor([0, 2]), p, q, [seed], [0])
-        assert num[0] >= 1
-        if num[0] >= 2:
-            counts[out[0, 0] * vocab + out[0, 1]] += 1
-        else:  # first draft rejected: the second token is sampled from p1 in the next round
-            second = sample_ref(p[1:2], [seed + 1], [1], DRAFT)[0]
-            counts[out[0, 0] * vocab + second] += 1
+    seeds = [1_000_003 * trial + 17 for trial in range(n)]  # n requests in one batch: the
+    # keyed draws of each are those it gets alone
+    drafts = sample_ref(q.repeat(n, 1), [s for s in seeds for _ in range(2)], [0, 1] * n, DRAFT)
+    out, num = random_accept_ref(drafts, torch.arange(0, 2 * n + 1, 2), p.repeat(n, 1), q.repeat(n, 1),
+                                 seeds, [0] * n)
+    assert bool((num >= 1).all())
+    # first draft rejected: the second token is sampled from p1 in the next round
+    next_round = sample_ref(p[1:2].expand(n, -1).contiguous(), [s + 1 for s in seeds], [1] * n, DRAFT)
+    second = torch.where(num >= 2, out[:, 1], next_round)
+    counts = torch.bincount(out[:, 0] * vocab + second, minlength=vocab * vocab).float()
     joint = (p[0].unsqueeze(1) * p[1].unsqueeze(0)).flatten()
     assert chi2_pvalue(counts, joint) > ALPHA
 
@@ -177,29 +176,31 @@ def test_tree_rejection_sampling_with_sampled_and_one_hot_children_reproduces_th
     q0 = torch.softmax(torch.randn(vocab) * 1.5, dim=0)
     q1 = torch.softmax(torch.randn(vocab, vocab) * 1.5, dim=1)
     one_hot = lambda x: torch.nn.functional.one_hot(torch.tensor(x), vocab).float()  # noqa: E731
-    counts = torch.zeros(vocab * vocab)
-    for trial in range(n):
-        seed = 1_000_003 * trial + 29
-        h1 = int(sample_ref(q0[None], [seed], [0], DRAFT)[0])
-        h2 = int(sample_ref(q1[h1][None], [seed], [1], DRAFT)[0])
-        drafts, parents, q = [h1, h2], [-1, 0], [q0, q1[h1]]
-        if h1 != 2:  # the root's lookup proposes 2, then 4 under it
-            drafts += [2, 4]
-            parents += [-1, 2]
-            q += [one_hot(2), one_hot(4)]
-        if h2 != (h1 + 1) % vocab:  # a lookup under h1
-            drafts.append((h1 + 1) % vocab)
-            parents.append(0)
-            q.append(one_hot((h1 + 1) % vocab))
-        target = torch.stack([p0] + [p1[d] for d in drafts])  # each node's next-token law
-        out, num, path = random_tree_accept_ref(torch.tensor(drafts), torch.tensor(parents),
-                                                torch.tensor([0, len(drafts)]), target,
-                                                torch.stack(q), [seed], [0])
-        first = int(out[0, 0])
-        if num[0] >= 2:
-            second = int(out[0, 1])
-        else:  # nothing accepted: the second token is sampled from p1 in the next round
-            second = int(sample_ref(p1[first][None], [seed + 1], [1], DRAFT)[0])
-        counts[first * vocab + second] += 1
+    seeds = [1_000_003 * trial + 29 for trial in range(n)]  # n trees in one batch (keyed draws)
+    h1 = sample_ref(q0.expand(n, -1).contiguous(), seeds, [0] * n, DRAFT).tolist()
+    h2 = sample_ref(q1[h1], seeds, [1] * n, DRAFT).tolist()
+    drafts, parents, q, target, cu = [], [], [], [], [0]
+    for a, b in zip(h1, h2):
+        tree, up, laws = [a, b], [-1, 0], [q0, q1[a]]
+        if a != 2:  # the root's lookup proposes 2, then 4 under it
+            tree += [2, 4]
+            up += [-1, 2]
+            laws += [one_hot(2), one_hot(4)]
+        if b != (a + 1) % vocab:  # a lookup under h1
+            tree.append((a + 1) % vocab)
+            up.append(0)
+            laws.append(one_hot((a + 1) % vocab))
+        drafts += tree
+        parents += up
+        q += laws
+        target += [p0] + [p1[d] for d in tree]  # each node's next-token law
+        cu.append(cu[-1] + len(tree))
+    out, num, _ = random_tree_accept_ref(torch.tensor(drafts), torch.tensor(parents), torch.tensor(cu),
+                                         torch.stack(target), torch.stack(q), seeds, [0] * n)
+    first = out[:, 0]
+    # nothing accepted: the second token is sampled from p1 in the next round
+    next_round = sample_ref(p1[first], [s + 1 for s in seeds], [1] * n, DRAFT)
+    second = torch.where(num >= 2, out[:, 1], next_round)
+    counts = torch.bincount(first * vocab + second, minlength=vocab * vocab).float()
     joint = (p0.unsqueeze(1) * p1).flatten()
     assert chi2_pvalue(counts, joint) > ALPHA

@@ -14,7 +14,14 @@ from eagle_serve.core.kv_pages import PagePool
 from eagle_serve.core.requests import SamplingParams
 from eagle_serve.local import build_local_engine
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import force_gpu_kernels, greedy_rows, make_random_head, make_tiny_target, ragged_prefill
+from eagle_serve.testing import (
+    force_gpu_kernels,
+    greedy_rows,
+    make_random_head,
+    make_tiny_target,
+    ragged_prefill,
+    reference_ops,
+)
 from eagle_serve.tools.launches import count_launches, launches_per_call
 
 LAUNCHES_PER_LAYER = 10  # norm, qkv, rope + KV write, attention, o_proj, norm, gate_up, act, down
@@ -39,7 +46,8 @@ def decode_launches(folder, monkeypatch) -> tuple[int, str]:
     target = TargetModel(folder, dtype=torch.float32, num_pages=8, page_size=4)
     pool, table = PagePool(8, 4), []
     prefill = ragged_prefill([list(range(5, 14))], pool)
-    target.forward(prefill, torch.tensor([8]), greedy_rows(1))
+    with reference_ops(monkeypatch):  # the prompt's KV (not counted)
+        target.forward(prefill, torch.tensor([8]), greedy_rows(1))
     pool.grow(table := prefill.block_tables[0].tolist(), 10)
     step = RaggedBatch(torch.tensor([40]), torch.tensor([9]), torch.tensor([0, 1]), torch.tensor([10]),
                        torch.tensor([table]), torch.tensor([pool.slot(table, 9)]), max_query_len=1)
@@ -72,6 +80,8 @@ def draft_launches(folder, head, monkeypatch, drafts: int) -> int:
     with launches_per_call(engine.drafter, "propose") as counts:
         engine.add_request(list(range(5, 14)), SamplingParams(max_tokens=20, ignore_eos=True, context_lookup=False,
                                                               num_speculative_tokens=drafts, draft_topk=1))
+        with reference_ops(monkeypatch):  # the prefill and the drafts after it (not counted)
+            engine.step()
         while len(counts) < 2:  # the engine's steps until a round's propose call
             engine.step()
     return counts[1]  # a round's (the first follows the prefill)

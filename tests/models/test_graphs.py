@@ -9,10 +9,9 @@ import torch
 
 from eagle_serve.core.interfaces import RaggedBatch
 from eagle_serve.core.kv_pages import PagePool
-from eagle_serve.kernels import layer_ops, paged_attention, rejection, sampling, workspace
 from eagle_serve.models.graphs import Bucket, TargetGraphs, bucket_of
 from eagle_serve.models.target import TargetModel
-from eagle_serve.testing import force_gpu_kernels, greedy_rows, make_tiny_target, ragged_prefill
+from eagle_serve.testing import force_gpu_kernels, greedy_rows, make_tiny_target, ragged_prefill, reference_ops
 from eagle_serve.tools.host_syncs import count_host_syncs
 
 PROMPTS = [list(range(5, 26)), [7, 8, 9], list(range(30, 41))]
@@ -39,7 +38,6 @@ def folder(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("graphs") / "llama", vocab_size=512)
 
 
-KERNEL_MODULES = (layer_ops, paged_attention, rejection, sampling, workspace)
 CASES = {"decode": [[40], [41], [42]], "verify": [[40, 50, 60, 70], [41, 51], [42, 52, 62]]}
 
 
@@ -50,9 +48,7 @@ def test_a_padded_batch_gives_its_rows_what_the_unpadded_forward_gives(folder, m
     target = TargetModel(folder, dtype=torch.float32, num_pages=64, page_size=4)  # its layers fused
     pool = PagePool(64, 4)
     prefill = ragged_prefill(PROMPTS, pool)
-    with monkeypatch.context() as reference:  # the prompts' KV, on the kernels' reference ops:
-        for module in KERNEL_MODULES:  # what is checked is the step below, on the kernels
-            reference.setattr(module, "use_kernel", lambda impl, tensor: False)
+    with reference_ops(monkeypatch):  # the prompts' KV: what is checked is the step below
         target.forward(prefill, torch.zeros(0, dtype=torch.int64), greedy_rows(0))
     tables = [[int(p) for p in row if p >= 0] for row in prefill.block_tables]
     new = CASES["verify" if case == "tree" else case]
