@@ -319,7 +319,8 @@ def drafter_ab(tiny_models, tmp_path: Path, prompts: list[str], max_tokens: int,
     """The stdout of eagle-serve bench engine on the tiny target and these tiny drafters, over these
     prompts: as a user runs it, or with `capsys` in this process."""
     argv = ["--prompts", str(prompts_file(tmp_path, prompts)), "--max-tokens", str(max_tokens),
-            "--target", str(tiny_models["target"]), "--drafters", *(str(tiny_models[d]) for d in drafters), *args]
+            "--target", str(tiny_models["target"]), "--drafters", *(str(tiny_models[d]) for d in drafters),
+            "--kv-cache-gib", "0.05", *args]  # ~1,600 pages of the tiny target: room to spare
     if capsys is not None:
         from eagle_serve.bench.engine import main
         main(argv)

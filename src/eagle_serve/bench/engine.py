@@ -26,6 +26,7 @@ eagle_serve/kernels/cpu_amx.cpp); its outputs are compared with its own plain de
 --policy NAME=VALUE ... adds, for each, the first drafter on the same engine with that draft
 policy setting (an EngineConfig field the draft policy reads, eagle_serve.spec.policy) instead of
 the default's: a policy change's gain on whole requests, beside the default in the same run.
+--kv-cache-gib G sizes each engine's target KV cache (default: the served size, zeroed at load).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from eagle_serve.engine import Engine
 from eagle_serve.kernels.cpu import without_amx_tiles
 from eagle_serve.local import build_local_engine
 from eagle_serve.models import cpu_stack
-from eagle_serve.settings import EngineConfig, ServingSettings, setting_sections
+from eagle_serve.settings import CacheSettings, EngineConfig, ServingSettings, setting_sections
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1, help="prompts run together as one batch")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    p.add_argument("--kv-cache-gib", type=float, default=CacheSettings.kv_cache_gib,
+                   help="each engine's target KV cache (the served size by default)")
     p.add_argument("--every-logit", action="store_true",
                    help="also plain decoding and the first drafter with every logit computed")
     p.add_argument("--kernels-from", metavar="REV",
@@ -99,7 +102,7 @@ def main(argv=None) -> None:
     for setting in args.policy:  # refused before any model loads
         policy_setting(EngineConfig.served(), setting)
     target = paths.resolve_model_path(args.target)
-    engines = {d: build_local_engine(target, d) for d in args.drafters}
+    engines = {d: build_local_engine(target, d, kv_cache_gib=args.kv_cache_gib) for d in args.drafters}
     first = next(iter(engines.values()))
     this_tree = cpu_stack.cpu_kernels
     configs = [Config("plain", first, 0, first.target.screen, this_tree)]
@@ -116,7 +119,7 @@ def main(argv=None) -> None:
                               this_tree, policy=policy_setting(first.config, setting)))
     if args.fma_kernels:  # another engine: the kernels are chosen as the target loads
         with without_amx_tiles():
-            fma = build_local_engine(target, args.drafters[0])
+            fma = build_local_engine(target, args.drafters[0], kv_cache_gib=args.kv_cache_gib)
         configs += [Config(f"{n}, FMA kernels", fma, k, fma.target.screen, this_tree, "plain, FMA kernels")
                     for n, k in same_engine]
     prompts = [encode_prompt(first.tokenizer, text) for text in paths.read_prompts(args.prompts)]
