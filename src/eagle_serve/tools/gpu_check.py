@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if ON_GPU else "cpu")
     settings = gpu_settings().with_values(dtype=args.dtype)
+    if not ON_GPU:  # tiny models through the interpreter: 256 pages hold them; the config's
+        settings = settings.with_values(num_target_pages=256)  # GiB would be zeroed for nothing
     dtype = torch_dtype(args.dtype, ON_GPU, Path(args.target))
     print(f"device: {torch.cuda.get_device_name() if ON_GPU else 'no GPU: CPU, kernels through the interpreter'}"
           f"; torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')}", flush=True)
