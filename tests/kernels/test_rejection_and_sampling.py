@@ -119,28 +119,6 @@ def test_coupled_scores_pick_the_targets_own_sample_when_q_is_the_target_distrib
     assert torch.equal(drafted[inside], target[inside])
 
 
-def test_rejection_sampling_reproduces_the_target_distribution_over_two_positions():
-    """Drafts come from q (unlike p); the emitted first two tokens must follow p0 x p1."""
-    torch.manual_seed(0)
-    vocab, n = 6, 12000
-    p = torch.softmax(torch.randn(3, vocab) * 1.5, dim=1)  # target at positions 0, 1, 2 (bonus)
-    q = torch.softmax(torch.randn(2, vocab) * 1.5, dim=1)  # drafter at positions 0, 1
-    q[0, 2] = 0.0  # a token the drafter never proposes must still come out (via the residual)
-    q[0] /= q[0].sum()
-    seeds = [1_000_003 * trial + 17 for trial in range(n)]  # n requests in one batch: the
-    # keyed draws of each are those it gets alone
-    drafts = sample_ref(q.repeat(n, 1), [s for s in seeds for _ in range(2)], [0, 1] * n, DRAFT)
-    out, num = random_accept_ref(drafts, torch.arange(0, 2 * n + 1, 2), p.repeat(n, 1), q.repeat(n, 1),
-                                 seeds, [0] * n)
-    assert bool((num >= 1).all())
-    # first draft rejected: the second token is sampled from p1 in the next round
-    next_round = sample_ref(p[1:2].expand(n, -1).contiguous(), [s + 1 for s in seeds], [1] * n, DRAFT)
-    second = torch.where(num >= 2, out[:, 1], next_round)
-    counts = torch.bincount(out[:, 0] * vocab + second, minlength=vocab * vocab).float()
-    joint = (p[0].unsqueeze(1) * p[1].unsqueeze(0)).flatten()
-    assert chi2_pvalue(counts, joint) > ALPHA
-
-
 def test_random_acceptance_is_exactly_repeatable_for_a_seed():
     torch.manual_seed(1)
     p = torch.softmax(torch.randn(4, 9), dim=1)

@@ -74,9 +74,11 @@ def test_random_kernel_without_drafts_emits_only_bonus_tokens():
     assert kernel[1].tolist() == ref[1].tolist() == [1, 1]
 
 
-@pytest.mark.slow
-def test_random_kernel_reproduces_the_target_distribution_over_two_positions():
-    """As the reference's test, with n trials as one batch of n requests (2 drafts each)."""
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.slow)])
+def test_random_acceptance_reproduces_the_target_distribution_over_two_positions(impl):
+    """Drafts come from q (unlike p); the emitted first two tokens must follow p0 x p1, and a
+    bonus token p2. n trials as one batch of n requests (2 drafts each): the keyed draws of each
+    are those it gets alone."""
     torch.manual_seed(0)
     vocab, n = 6, 12000
     p = torch.softmax(torch.randn(3, vocab) * 1.5, dim=1)  # target at positions 0, 1, 2 (bonus)
@@ -85,13 +87,13 @@ def test_random_kernel_reproduces_the_target_distribution_over_two_positions():
     q[0] /= q[0].sum()
     seeds = [1_000_003 * trial + 17 for trial in range(n)]
     drafts = sample(q.repeat(n, 1), [s for s in seeds for _ in range(2)], [0, 1] * n, DRAFT,
-                    impl="triton")
+                    impl=impl)
     out, num = random_accept(drafts, torch.arange(0, 2 * n + 1, 2), p.repeat(n, 1), q.repeat(n, 1),
-                             seeds, [0] * n, impl="triton")
+                             seeds, [0] * n, impl=impl)
     assert bool((num >= 1).all())
     # First draft rejected: the second token is sampled from p1 in the next round.
     next_round = sample(p[1:2].expand(n, -1).contiguous(), [s + 1 for s in seeds], [1] * n, DRAFT,
-                        impl="triton")
+                        impl=impl)
     second = torch.where(num >= 2, out[:, 1], next_round)
     counts = torch.bincount(out[:, 0] * vocab + second, minlength=vocab * vocab)
     joint = (p[0].unsqueeze(1) * p[1].unsqueeze(0)).flatten()
