@@ -1,9 +1,11 @@
 """Model-process death and shutdown, through the supervised server `make serve` runs, with the
 OpenAI server beside it: it stays the same process through each restart, its /health answers
-503 while tritonserver is down, and SIGTERM ends both."""
+503 while tritonserver is down, and SIGTERM ends both. And a tritonserver that crashes while it
+starts (eagle_serve.server.launch) is started once more."""
 from __future__ import annotations
 
 import signal
+import textwrap
 import threading
 import time
 import warnings
@@ -14,6 +16,7 @@ from triton_pool import get, post_json, serve_tiny, wait_until
 
 from eagle_serve.client import grpc_generate, http_generate
 from eagle_serve.server.health import in_flight
+from eagle_serve.server.launch import launch
 from eagle_serve.server.processes import model_processes
 
 pytestmark = pytest.mark.server
@@ -120,3 +123,40 @@ def test_sigterm_ends_open_streams_with_an_error_and_nothing_hangs(supervised): 
     assert supervised.wait(60) is not None
     front = supervised.front
     assert wait_until(lambda: not front.is_running() or front.status() == psutil.STATUS_ZOMBIE, 30)
+
+
+CRASH_ONCE = """
+import os
+import signal
+from pathlib import Path
+
+
+class TritonPythonModel:
+    def initialize(self, args):  # the first start: abort tritonserver (the stub's parent)
+        marker = Path(args["model_repository"]) / "crashed"
+        if not marker.exists():
+            marker.touch()
+            os.kill(os.getppid(), signal.SIGABRT)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_tritonserver_that_crashes_before_it_is_ready_is_started_once_more(tmp_path):
+    model = tmp_path / "repo" / "crash_once"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(CRASH_ONCE)
+    (model / "config.pbtxt").write_text(textwrap.dedent("""\
+        backend: "python"
+        input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]
+        output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]
+        instance_group [{ kind: KIND_CPU, count: 1 }]
+        """))
+    with pytest.warns(UserWarning, match="exited with code -6 before it was ready"):
+        server = launch("crash-once", model.parent, tmp_path / "server.log")
+    try:
+        assert server.process.poll() is None and (model / "crashed").exists()
+        assert "crash_once" in (tmp_path / "server.crashed.log").read_text()
+    finally:
+        server.stop()

@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,10 +84,28 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+class CrashedBeforeReady(RuntimeError):
+    """tritonserver was ended by a signal before it was ready."""
+
+
 def launch(name: str, repo: Path, log_path: Path, model_config_name: str | None = None,
            timeout_s: float = READY_TIMEOUT_S) -> TritonServer:
     """Start tritonserver on `repo` and wait until it is ready; on failure stop it and raise
-    with the tail of its log."""
+    with the tail of its log. A start that a signal ends before it is ready is made once more,
+    as the supervisor of `make serve` restarts it, with a warning carrying the crash's log:
+    tritonserver 2.51 has been seen to abort while its Python backend started the model
+    processes (boost::interprocess::lock_exception), a crash of Triton's, not of a model's."""
+    try:
+        return _start(name, repo, log_path, model_config_name, timeout_s)
+    except CrashedBeforeReady as crash:
+        crashed = log_path.with_name(f"{log_path.stem}.crashed{log_path.suffix}")
+        log_path.replace(crashed)
+        warnings.warn(f"{crash}\n(started once more; that start's log is {crashed})", stacklevel=2)
+    return _start(name, repo, log_path, model_config_name, timeout_s)
+
+
+def _start(name: str, repo: Path, log_path: Path, model_config_name: str | None,
+           timeout_s: float) -> TritonServer:
     http, grpc, metrics = free_ports(3)
     admin = secrets.token_urlsafe(16)
     cmd = server_command(repo, http, grpc, metrics, ["--exit-timeout-secs=3"],
@@ -110,9 +129,10 @@ def wait_ready(server: TritonServer, deadline: float) -> None:
     url = f"http://{server.http_url}/v2/health/ready"
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"tritonserver '{server.name}' exited with code "
-                               f"{server.process.returncode} before it was ready; log "
-                               f"{server.log_path}:\n{server.log_tail()}")
+            error = CrashedBeforeReady if server.process.returncode < 0 else RuntimeError
+            raise error(f"tritonserver '{server.name}' exited with code "
+                        f"{server.process.returncode} before it was ready; log "
+                        f"{server.log_path}:\n{server.log_tail()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
