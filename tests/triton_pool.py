@@ -99,7 +99,7 @@ class ServerPool:
         """SIGTERM now, reaped at the next start or at close: tritonserver's unload is seconds of
         mostly waiting (it checks its models once a second), which no test needs to wait for
         (also for a server a test launched itself)."""
-        if server.process.poll() is None:
+        if server.exit_code() is None:
             signal_group(server.process.pid, signal.SIGTERM)
         self._retiring.append((server, time.monotonic()))
 
@@ -108,7 +108,7 @@ class ServerPool:
         outlived STOP_TIMEOUT_S (their process groups killed)."""
         for entry in list(self._retiring):
             server, since = entry
-            if wait or server.process.poll() is not None or time.monotonic() - since > STOP_TIMEOUT_S:
+            if wait or server.exit_code() is not None or time.monotonic() - since > STOP_TIMEOUT_S:
                 server.stop()
                 self._retiring.remove(entry)
 

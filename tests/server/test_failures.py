@@ -143,6 +143,12 @@ class TritonPythonModel:
 """
 
 
+def processes_of(model) -> set[int]:
+    """Live processes whose command line names the model's folder (its Python backend stubs)."""
+    return {p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(model) in " ".join(p.info["cmdline"] or ())}
+
+
 def test_a_tritonserver_that_crashes_before_it_is_ready_is_started_once_more(tmp_path):
     model = tmp_path / "repo" / "crash_once"
     (model / "1").mkdir(parents=True)
@@ -156,7 +162,10 @@ def test_a_tritonserver_that_crashes_before_it_is_ready_is_started_once_more(tmp
     with pytest.warns(UserWarning, match="exited with code -6 before it was ready"):
         server = launch("crash-once", model.parent, tmp_path / "server.log")
     try:
-        assert server.process.poll() is None and (model / "crashed").exists()
+        assert server.exit_code() is None and (model / "crashed").exists()
         assert "crash_once" in (tmp_path / "server.crashed.log").read_text()
+        # the crashed start's model process was ended with it: only the live server's is left
+        live = {p.pid for p in psutil.Process(server.process.pid).children(recursive=True)}
+        assert wait_until(lambda: processes_of(model) <= live, 10, 0.1), (processes_of(model), live)
     finally:
         server.stop()

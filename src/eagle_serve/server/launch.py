@@ -53,14 +53,31 @@ class TritonServer:
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def exit_code(self) -> int | None:
+        """tritonserver's exit code (negative: the signal that ended it), None while it runs.
+        Read without reaping it: until `stop` reaps it, its pid, its process group's id, cannot
+        be another's (pids wrap at 32,768 here, and a test run starts thousands of processes,
+        process group leaders among them)."""
+        if self.process.returncode is not None:
+            return self.process.returncode
+        try:
+            info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped by another waiter
+            return self.process.poll()
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
     def stop(self) -> None:
-        """SIGTERM to the whole process group, then SIGKILL to whatever is left in it."""
-        if self.process.poll() is None:
+        """SIGTERM to the whole process group, then SIGKILL to whatever is left in it (the
+        model processes of a server that crashed too), then reap tritonserver."""
+        if self.process.returncode is not None:
+            return  # reaped already: its group's id may be another's now
+        if self.exit_code() is None:
             signal_group(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while self.exit_code() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
         signal_group(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
@@ -128,10 +145,10 @@ def _start(name: str, repo: Path, log_path: Path, model_config_name: str | None,
 def wait_ready(server: TritonServer, deadline: float) -> None:
     url = f"http://{server.http_url}/v2/health/ready"
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            error = CrashedBeforeReady if server.process.returncode < 0 else RuntimeError
-            raise error(f"tritonserver '{server.name}' exited with code "
-                        f"{server.process.returncode} before it was ready; log "
+        code = server.exit_code()
+        if code is not None:
+            error = CrashedBeforeReady if code < 0 else RuntimeError
+            raise error(f"tritonserver '{server.name}' exited with code {code} before it was ready; log "
                         f"{server.log_path}:\n{server.log_tail()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
