@@ -17,7 +17,7 @@ from triton_pool import get, post_json, serve_tiny, wait_until
 from eagle_serve.client import grpc_generate, http_generate
 from eagle_serve.server.health import in_flight
 from eagle_serve.server.launch import launch
-from eagle_serve.server.processes import model_processes
+from eagle_serve.server.processes import SHM_DIR, model_processes, shm_regions
 
 pytestmark = pytest.mark.server
 MODELS = ["spec_decode", "eagle_target", "eagle_drafter"]  # what the OpenAI server calls
@@ -75,6 +75,7 @@ def kill_during_stream(proc, model: str) -> tuple[object, float, str]:
     out: dict = {}
     start = len(proc.log_path.read_text(errors="replace"))
     thread = long_stream(proc, out)
+    regions = shm_regions(psutil.Process(proc.pid))
     killed_at = time.monotonic()
     model_processes(psutil.Process(proc.pid))[model].kill()
     front_down = wait_until(lambda: get(f"http://127.0.0.1:{proc.openai_port}/health")[0] == 503, 60, 0.2)
@@ -85,6 +86,8 @@ def kill_during_stream(proc, model: str) -> tuple[object, float, str]:
     assert front_down, "the OpenAI server's /health did not answer 503 while tritonserver was down"
     assert wait_until(lambda: openai_chat(proc), 60), log[-3000:]
     assert front_process(proc).pid == proc.front.pid  # the same OpenAI server throughout
+    # the stopped server's shared memory, the killed stub's included, was removed
+    assert len(regions) == len(MODELS) and not [r for r in regions if (SHM_DIR / r).exists()]
     print(f"recovered {time.monotonic() - killed_at:.1f} s after {model} was killed")
     return out["result"], out["at"] - killed_at, log
 

@@ -13,6 +13,7 @@ import psutil
 
 DEFAULT_HTTP_PORT = 8000  # tritonserver's, when its command line names none
 MODEL_FILE = re.compile(r"([^/\s]+)/\d+/model\.py\b")  # <model>/<version>/model.py
+SHM_DIR = Path("/dev/shm")
 
 
 def python_models(repo: Path) -> list[str]:
@@ -61,3 +62,30 @@ def find_server(http_port: int) -> psutil.Process | None:
         if int(flag(cmdline, "--http-port") or DEFAULT_HTTP_PORT) == http_port:
             return proc
     return None
+
+
+def shm_regions(server: psutil.Process) -> set[str]:
+    """The shared-memory regions (files of /dev/shm) of the stubs under `server`: a stub's
+    second argument names its region. tritonserver removes a region when its model unloads;
+    that of a stub or server that was killed stays until removed (remove_shm_regions)."""
+    regions = set()
+    for child in server.children(recursive=True):
+        try:
+            args = child.cmdline()
+        except psutil.Error:  # exited while we looked
+            continue
+        if len(args) > 2 and Path(args[0]).name == "triton_python_backend_stub" and "/" not in args[2]:
+            regions.add(args[2])
+    return regions
+
+
+def remove_shm_regions(regions: set[str]) -> list[str]:
+    """Remove those of `regions` still in /dev/shm (those of a server that has exited) -> them."""
+    removed = []
+    for name in sorted(regions):
+        try:
+            (SHM_DIR / name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -4,7 +4,8 @@ Triton 2.51 does not restart a dead Python-backend stub (measured: after `eagle_
 was killed, every request failed with "Stub process ... is not healthy" while
 /v2/health/ready stayed 200). The supervisor runs tritonserver as a child, watches that every
 Python model of the repository has a live stub process, and on a death logs it, stops the
-server (open streams get an error and FINAL from spec_decode's shutdown) and starts it again.
+server (open streams get an error and FINAL from spec_decode's shutdown), removes the shared
+memory the dead process left in /dev/shm, and starts it again.
 SIGTERM / SIGINT are passed on to the server, and the supervisor exits with it. `beside`
 runs a sibling process (the OpenAI-compatible server) for as long as the supervisor runs.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from eagle_serve.server.processes import missing_stubs, python_models
+from eagle_serve.server.processes import missing_stubs, python_models, remove_shm_regions, shm_regions
 
 POLL_S = 1.0
 DEAD_GRACE_S = 5.0  # after a model process died, before stopping the server ourselves
@@ -80,7 +81,8 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
     fast_failures = 0
     while True:
         child = subprocess.Popen(cmd, env=env)
-        died, was_ready = _watch(child, models, http_port, lambda: stopping)
+        regions: set[str] = set()
+        died, was_ready = _watch(child, models, http_port, lambda: stopping, regions)
         if died:
             log(f"model process(es) {died} died; restarting tritonserver")
             code = _stop_after_death(child, models)
@@ -90,6 +92,11 @@ def supervise(cmd: list[str], env: dict[str, str], repo: Path, http_port: int,
             except subprocess.TimeoutExpired:
                 child.kill()
                 code = child.wait()
+        # the shared memory of a killed model process (or server) outlives it: up to 16 MiB a
+        # region in the images' configuration, which restarts would pile up in /dev/shm
+        removed = remove_shm_regions(regions)
+        if removed:
+            log(f"removed {len(removed)} shared-memory region(s) the stopped server left")
         if stopping:
             return code
         # a server that never got ready will not get ready by trying again and again; one that
@@ -126,13 +133,17 @@ def _stop_after_death(child: subprocess.Popen, models: list[str]) -> int:
 
 
 def _watch(child: subprocess.Popen, models: list[str], http_port: int,
-           stopping) -> tuple[list[str], bool]:
+           stopping, regions: set[str]) -> tuple[list[str], bool]:
     """Until the child exits or a stub dies (after the server was ready) -> the dead models,
-    and whether the server was ever ready."""
+    and whether the server was ever ready; `regions` gathers the stubs' shared memory."""
     server = psutil.Process(child.pid)
     was_ready = False
     while child.poll() is None and not stopping():
         time.sleep(POLL_S)
+        try:
+            regions |= shm_regions(server)
+        except psutil.Error:  # the server exited while we looked
+            pass
         was_ready = was_ready or ready(http_port)
         if was_ready:
             dead = missing_stubs(server, models)
