@@ -75,7 +75,7 @@ def kill_during_stream(proc, model: str) -> tuple[object, float, str]:
     out: dict = {}
     start = len(proc.log_path.read_text(errors="replace"))
     thread = long_stream(proc, out)
-    regions = shm_regions(psutil.Process(proc.pid))
+    regions = shm_regions(model_processes(psutil.Process(proc.pid)).values())
     killed_at = time.monotonic()
     model_processes(psutil.Process(proc.pid))[model].kill()
     front_down = wait_until(lambda: get(f"http://127.0.0.1:{proc.openai_port}/health")[0] == 503, 60, 0.2)

@@ -64,17 +64,18 @@ def find_server(http_port: int) -> psutil.Process | None:
     return None
 
 
-def shm_regions(server: psutil.Process) -> set[str]:
-    """The shared-memory regions (files of /dev/shm) of the stubs under `server`: a stub's
-    second argument names its region. tritonserver removes a region when its model unloads;
-    that of a stub or server that was killed stays until removed (remove_shm_regions)."""
+def shm_regions(stubs) -> set[str]:
+    """The shared-memory regions (files of /dev/shm) of stub processes (model_processes'
+    values): a stub's second argument names its region. tritonserver removes a region when its
+    model unloads; that of a stub or server that was killed stays until removed
+    (remove_shm_regions)."""
     regions = set()
-    for child in server.children(recursive=True):
+    for stub in stubs:
         try:
-            args = child.cmdline()
-        except psutil.Error:  # exited while we looked
+            args = stub.cmdline()
+        except psutil.Error:  # exited since it was found
             continue
-        if len(args) > 2 and Path(args[0]).name == "triton_python_backend_stub" and "/" not in args[2]:
+        if len(args) > 2 and "/" not in args[2]:
             regions.add(args[2])
     return regions
 

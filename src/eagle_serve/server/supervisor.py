@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from eagle_serve.server.processes import missing_stubs, python_models, remove_shm_regions, shm_regions
+from eagle_serve.server.processes import missing_stubs, model_processes, python_models, remove_shm_regions, shm_regions
 
 POLL_S = 1.0
 DEAD_GRACE_S = 5.0  # after a model process died, before stopping the server ourselves
@@ -141,12 +141,13 @@ def _watch(child: subprocess.Popen, models: list[str], http_port: int,
     while child.poll() is None and not stopping():
         time.sleep(POLL_S)
         try:
-            regions |= shm_regions(server)
+            stubs = model_processes(server)
         except psutil.Error:  # the server exited while we looked
-            pass
+            continue
+        regions |= shm_regions(stubs.values())
         was_ready = was_ready or ready(http_port)
         if was_ready:
-            dead = missing_stubs(server, models)
+            dead = [m for m in models if m not in stubs]
             if dead:
                 time.sleep(POLL_S)  # confirm: not a stub in the middle of starting
                 dead = missing_stubs(server, models)
