@@ -236,11 +236,11 @@ void qmatmul_chunks(const float* x, int64_t R, int64_t K, const W& w, int64_t N,
 #endif
 
 template <typename W>
-torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
-                      const c10::optional<torch::Tensor>& bias) {
+at::Tensor qlinear(const at::Tensor& x, const W& w, int64_t N,
+                   const c10::optional<at::Tensor>& bias) {
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t R = rows.size(0), K = rows.size(1);
-  auto out = torch::empty({R, N}, x.options());
+  auto out = x.new_empty({R, N});
   const float* xp = rows.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #ifdef EAGLE_AVX512  // a pass over the weight per 12 rows (the one-pass chunks are unmeasured there)
@@ -259,15 +259,15 @@ torch::Tensor qlinear(const torch::Tensor& x, const W& w, int64_t N,
 }  // namespace
 
 // x [..., K] fp32, weight [N, K] fp32 contiguous, K a multiple of 8, bias [N] or None -> [..., N]
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "linear: fp32 tensors only");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(-1) &&
               x.size(-1) % 8 == 0, "linear: weight [N, K] contiguous, K = x's last dim, K % 8 == 0");
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t R = rows.size(0), K = rows.size(1), N = weight.size(0);
-  auto out = torch::empty({R, N}, x.options());
+  auto out = x.new_empty({R, N});
   const float* xp = rows.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -281,11 +281,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 
 // x [..., K] fp32; q [N, K / 2] uint8, dm [N, K / 32, 2] fp32 (Q4_1 above); bias
 // [N] or None -> [..., N]
-torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
-                          const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm,
+                       const c10::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), N = q.size(0);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == torch::kUInt8 &&
-              dm.scalar_type() == torch::kFloat32 && q.is_contiguous() && dm.is_contiguous() &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kByte &&
+              dm.scalar_type() == at::kFloat && q.is_contiguous() && dm.is_contiguous() &&
               K % 32 == 0 && q.size(1) == K / 2 && dm.numel() == N * (K / 32) * 2,
               "linear_q4_1: x [..., K] fp32, q [N, K/2] uint8, dm [N, K/32, 2] fp32, K % 32 == 0");
   const Q4_1 w{q.data_ptr<uint8_t>(), dm.data_ptr<float>(), K};
@@ -297,11 +297,11 @@ torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const 
 
 // x [..., K] fp32; q [N, K] int8, d [N, K / 32] fp32 (Q8_0 above); bias [N] or
 // None -> [..., N]
-torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
+                       const c10::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), N = q.size(0);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == torch::kInt8 &&
-              d.scalar_type() == torch::kFloat32 && q.is_contiguous() && d.is_contiguous() &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar &&
+              d.scalar_type() == at::kFloat && q.is_contiguous() && d.is_contiguous() &&
               K % 32 == 0 && q.size(1) == K && d.numel() == N * (K / 32),
               "linear_q8_0: x [..., K] fp32, q [N, K] int8, d [N, K/32] fp32, K % 32 == 0");
   return qlinear(x, Q8_0{q.data_ptr<int8_t>(), d.data_ptr<float>(), K}, N, bias);
@@ -309,13 +309,13 @@ torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const 
 
 // x [..., H] fp32, scale [H] fp32, H a multiple of 8 -> scale * (x / sqrt(mean(x^2) + eps)), each
 // row on its own (HF's RMSNorm arithmetic up to float rounding; Gemma's passes 1 + weight)
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && scale.scalar_type() == torch::kFloat32 &&
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat &&
               scale.dim() == 1 && scale.is_contiguous() && scale.size(0) == x.size(-1) &&
               x.size(-1) % 8 == 0, "rms_norm: fp32 x [..., H], scale [H], H % 8 == 0");
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t R = rows.size(0), H = rows.size(1);
-  auto out = torch::empty_like(rows);
+  auto out = rows.new_empty(rows.sizes());
   const float* w = scale.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = rows.data_ptr<float>() + r * H;
@@ -337,27 +337,27 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, doubl
 // contiguous; slot_mapping [T] int64 (-1: not written). Rotates q and k with HF's arithmetic
 // (x * cos + rotate_half(x) * sin, each product rounded: the file builds without FP
 // contraction), writes the rotated k and v to their slots -> the rotated q [T, Hq, D]
-torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& cos, const torch::Tensor& sin,
-                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& slot_mapping) {
+at::Tensor rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping) {
   const int64_t T = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(2), R = cos.size(1);
   for (const auto* t : {&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "rope_write_kv: fp32 tensors only");
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "rope_write_kv: fp32 tensors only");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == D && R % 2 == 0 && R <= D &&
               cos.sizes() == sin.sizes() && cos.size(0) == T && slot_mapping.numel() == T &&
-              slot_mapping.scalar_type() == torch::kInt64 && k_cache.is_contiguous() &&
+              slot_mapping.scalar_type() == at::kLong && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(1) == Hkv &&
               k_cache.size(2) == D && k_cache.sizes() == v_cache.sizes(), "rope_write_kv: shapes");
   // q, k, v are read in place where each row's heads lie densely (views of one fused q/k/v
   // projection of several rows are not contiguous): no copies
-  auto rows = [](const torch::Tensor& x) {
+  auto rows = [](const at::Tensor& x) {
     return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
   };
   const auto qc = rows(q), kc = rows(k), vc = rows(v);
   const int64_t q_row = qc.stride(0), k_row = kc.stride(0), v_row = vc.stride(0);
   const auto cc = cos.contiguous(), sc = sin.contiguous(), slots = slot_mapping.contiguous();
-  auto q_out = torch::empty({T, Hq, D}, q.options());
+  auto q_out = q.new_empty({T, Hq, D});
   const int64_t half = R / 2, num_slots = k_cache.size(0);
   auto rotate = [&](const float* x, float* o, const float* c, const float* s) {
     for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + (-x[i + half]) * s[i];

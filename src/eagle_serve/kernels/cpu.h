@@ -1,7 +1,7 @@
 // The entry points of the CPU kernels' files (one extension, eagle_serve/kernels/cpu.py builds
 // them; cpu_bind.cpp binds them).
 #pragma once
-#include <torch/types.h>  // not torch/extension.h: see cpu_bind.cpp
+#include <ATen/core/Tensor.h>  // the kernels call Tensor's methods only: see cpu_bind.cpp
 
 #include <tuple>
 #include <vector>
@@ -22,40 +22,40 @@ constexpr int64_t kMaxBlockRows = INT64_MAX;
 constexpr int64_t kMaxBlockRows = 12;
 #endif
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& scale, double eps);
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias);
-torch::Tensor linear_q4_1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& dm,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor linear_q8_0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const c10::optional<torch::Tensor>& bias);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias);
+at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm,
+                       const c10::optional<at::Tensor>& bias);
+at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
+                       const c10::optional<at::Tensor>& bias);
 extern const bool kI8Vnni;  // linear_i8 runs AVX512-VNNI here (else its AVX2 path)
-torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                        const c10::optional<torch::Tensor>& bias);
-torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                        const torch::Tensor& bound, int64_t max_kept);
+at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias);
+at::Tensor screen_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const at::Tensor& bound, int64_t max_kept);
 extern const bool kAmx;  // linear_q4_1_amx runs here (AMX-BF16 tiles granted: cpu_amx.cpp)
-torch::Tensor linear_q4_1_amx(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                              const c10::optional<torch::Tensor>& bias);
-torch::Tensor rope_write_kv(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& cos, const torch::Tensor& sin,
-                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& slot_mapping);
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                     const torch::Tensor& slots, const torch::Tensor& starts, int64_t window,
-                     double softcap);
-std::vector<torch::Tensor> decoder_stack(torch::Tensor h, const torch::Tensor& first_input,
-                                         const std::vector<torch::Tensor>& layers,
-                                         const std::vector<int64_t>& windows, const torch::Tensor& cos,
-                                         const torch::Tensor& sin, const torch::Tensor& slot_mapping,
-                                         const torch::Tensor& slots, const torch::Tensor& starts,
-                                         int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                         double eps, double scale, double softcap,
-                                         const std::vector<int64_t>& feature_layers);
-torch::Tensor keyed_uniforms(const torch::Tensor& keys, int64_t n);
-torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& keys);
+at::Tensor linear_q4_1_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& bias);
+at::Tensor rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping);
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& slots, const at::Tensor& starts, int64_t window,
+                  double softcap);
+std::vector<at::Tensor> decoder_stack(at::Tensor h, const at::Tensor& first_input,
+                                      const std::vector<at::Tensor>& layers,
+                                      const std::vector<int64_t>& windows, const at::Tensor& cos,
+                                      const at::Tensor& sin, const at::Tensor& slot_mapping,
+                                      const at::Tensor& slots, const at::Tensor& starts,
+                                      int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                      double eps, double scale, double softcap,
+                                      const std::vector<int64_t>& feature_layers);
+at::Tensor keyed_uniforms(const at::Tensor& keys, int64_t n);
+at::Tensor race(const at::Tensor& probs, const at::Tensor& keys);
 // (match length, tokens, agreeing occurrences and occurrences of each step): cpu_lookup.cpp
 using CorpusWalk = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
-CorpusWalk corpus_walk(const torch::Tensor& reverse, const torch::Tensor& suffixes,
+CorpusWalk corpus_walk(const at::Tensor& reverse, const at::Tensor& suffixes,
                        const std::vector<int64_t>& ctx, int64_t limit, double min_prob,
                        int64_t vote_cap);

@@ -13,7 +13,7 @@ layer stack in one call (eagle_serve.models.cpu_stack); cpu_random.cpp draws ker
 noise and runs its exponential race in one pass; cpu_lookup.cpp walks eagle_serve.spec.lookup's
 corpus index. Compiled once per machine by
 torch.utils.cpp_extension into torch's extension cache (TORCH_EXTENSIONS_DIR; `make setup` does
-it, about a minute), loaded from there after; on CPUs with AVX512F/DQ built for AVX-512 (unless
+it, in under a minute), loaded from there after; on CPUs with AVX512F/DQ built for AVX-512 (unless
 EAGLE_CPU_ISA=avx2), whose linears sum 16 lanes at a time (other bits than the AVX2 build's,
 row-invariant alike).
 """
@@ -80,7 +80,7 @@ SOURCES = ("cpu_bind.cpp", "cpu.cpp", "cpu_attention.cpp", "cpu_stack.cpp", "cpu
            "cpu_lookup.cpp", "cpu_amx.cpp")
 
 
-STALE_LOCK_S = 600.0  # a build takes about a minute: a lock this old outlived its builder
+STALE_LOCK_S = 600.0  # a build takes under a minute: a lock this old outlived its builder
 
 
 def clear_stale_lock(name: str) -> bool:

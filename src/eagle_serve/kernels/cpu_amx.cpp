@@ -260,18 +260,18 @@ const bool kAmx = amx_usable();
 
 // x [..., K] fp32; q [K/32, N/16, 256] uint8, scales [K/32, N/16, 2, 16] fp32 (the layout above);
 // bias [N] or None -> [..., N]
-torch::Tensor linear_q4_1_amx(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                              const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_q4_1_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kAmx, "linear_q4_1_amx: this CPU (or kernel) offers no AMX-BF16 tiles");
   const int64_t K = x.size(-1), N = q.size(1) * kGroup;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == torch::kUInt8 &&
-              scales.scalar_type() == torch::kFloat32 && q.is_contiguous() && scales.is_contiguous() &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kByte &&
+              scales.scalar_type() == at::kFloat && q.is_contiguous() && scales.is_contiguous() &&
               q.dim() == 3 && K % 32 == 0 && q.size(0) == K / 32 && q.size(2) == 256 &&
               scales.numel() == N / kGroup * (K / 32) * 32,
               "linear_q4_1_amx: x [..., K] fp32, q [K/32, N/16, 256] uint8, scales [K/32, N/16, 2, 16]");
   const auto rows = x.reshape({-1, K}).contiguous();
   const int64_t R = rows.size(0);
-  auto out = torch::empty({R, N}, x.options());
+  auto out = x.new_empty({R, N});
   if (R) matmul(rows.data_ptr<float>(), R, K, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), N, out.data_ptr<float>());
   if (bias.has_value()) out.add_(*bias);
   auto shape = x.sizes().vec();

@@ -162,26 +162,26 @@ void attend_all(const float* q, const T* keys, const T* values, const int64_t* s
 // slots [S] int64; starts [T + 1] int64: query t reads slots[starts[t] .. starts[t + 1]) in
 // order (with window > 0 only the last `window` of them); softcap > 0: scores become
 // softcap * tanh(score / softcap) -> [T, Hq, D] fp32 (zeros for a query with no keys)
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                     const torch::Tensor& slots, const torch::Tensor& starts, int64_t window,
-                     double softcap) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3 && q.is_contiguous(),
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& slots, const at::Tensor& starts, int64_t window,
+                  double softcap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
               "attend: q [T, Hq, D] fp32 contiguous");
   TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.is_contiguous() &&
               values.is_contiguous() && keys.scalar_type() == values.scalar_type(),
               "attend: keys, values [slots, Hkv, D] alike, contiguous");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = keys.size(1);
   TORCH_CHECK(keys.size(2) == D && D % 8 == 0 && Hq % Hkv == 0, "attend: D % 8 == 0, Hq % Hkv == 0");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && starts.scalar_type() == torch::kInt64 &&
+  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
               slots.is_contiguous() && starts.is_contiguous() && starts.numel() == T + 1,
               "attend: slots, starts int64 contiguous, starts [T + 1]");
-  auto out = torch::empty_like(q);
-  if (keys.scalar_type() == torch::kFloat32) {
+  auto out = q.new_empty(q.sizes());
+  if (keys.scalar_type() == at::kFloat) {
     attend_all(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
                slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), out.data_ptr<float>(), T, Hq,
                Hkv, D, window, static_cast<float>(softcap));
   } else {
-    TORCH_CHECK(keys.scalar_type() == torch::kBFloat16, "attend: fp32 or bf16 caches");
+    TORCH_CHECK(keys.scalar_type() == at::kBFloat16, "attend: fp32 or bf16 caches");
     attend_all(q.data_ptr<float>(), keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(),
                slots.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), out.data_ptr<float>(), T, Hq,
                Hkv, D, window, static_cast<float>(softcap));

@@ -247,21 +247,21 @@ const bool kI8Vnni = cpu_has_vnni();
 // x [..., K] fp32; q [N/16, K/32, C, 64] (C = 4: Q4_1, uint8; 8: Q8_0, uint8 with VNNI (kI8Vnni),
 // int8 without), scales [N/16, K/32, 2, 16] fp32 (BlockWeight.int8_activations); bias [N] or
 // None -> [..., N]
-torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                        const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), N = q.size(0) * kGroup, C = q.size(2);
-  const auto q_type = C == 8 && !kI8Vnni ? torch::kInt8 : torch::kUInt8;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && q.scalar_type() == q_type &&
-              scales.scalar_type() == torch::kFloat32 && q.is_contiguous() && scales.is_contiguous() &&
+  const auto q_type = C == 8 && !kI8Vnni ? at::kChar : at::kByte;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == q_type &&
+              scales.scalar_type() == at::kFloat && q.is_contiguous() && scales.is_contiguous() &&
               q.dim() == 4 && K % 32 == 0 && q.size(1) == K / 32 && (C == 4 || C == 8) &&
               q.size(3) == 64 && scales.numel() == N / kGroup * (K / 32) * 32,
               "linear_i8: x [..., K] fp32, q [N/16, K/32, 4 or 8, 64] uint8 (Q8_0 without VNNI: "
               "int8), scales [N/16, K/32, 2, 16]");
   const auto rows = x.reshape({-1, K}).contiguous();
   const int64_t R = rows.size(0);
-  auto qa = torch::empty({R, K}, x.options().dtype(torch::kInt8));
-  auto ds = torch::empty({2, R, K / 32}, x.options());
-  auto out = torch::empty({R, N}, x.options());
+  auto qa = x.new_empty({R, K}, at::kChar);
+  auto ds = x.new_empty({2, R, K / 32});
+  auto out = x.new_empty({R, N});
   const auto w = static_cast<const uint8_t*>(q.data_ptr());
   float *da = ds[0].data_ptr<float>(), *sa = ds[1].data_ptr<float>(), *o = out.data_ptr<float>();
   if (kI8Vnni) {
@@ -283,8 +283,8 @@ namespace {
 // The kept tokens from the outputs' upper (high) and lower (low) bounds [R, N] (finite): those
 // whose upper bound reaches their row's largest lower bound in some row, ascending; empty past
 // max_kept (AVX2 code, which AVX-512 CPUs run too).
-torch::Tensor kept_tokens(const float* high, const float* low, int64_t R, int64_t N, int64_t max_kept,
-                          const torch::TensorOptions& options) {
+std::vector<int64_t> kept_tokens(const float* high, const float* low, int64_t R, int64_t N,
+                                 int64_t max_kept) {
   std::vector<__m256> floor(R);  // N: a multiple of 16
   for (int64_t r = 0; r < R; ++r) {
     __m256 top = _mm256_set1_ps(-INFINITY);
@@ -299,9 +299,9 @@ torch::Tensor kept_tokens(const float* high, const float* low, int64_t R, int64_
     for (int64_t r = 0; r < R; ++r)
       any |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(high + r * N + v), floor[r], _CMP_GE_OQ));
     for (; any; any &= any - 1) kept.push_back(v + __builtin_ctz(any));
-    if (static_cast<int64_t>(kept.size()) > max_kept) return torch::empty({0}, options.dtype(torch::kInt64));
+    if (static_cast<int64_t>(kept.size()) > max_kept) return {};
   }
-  return torch::tensor(kept, options.dtype(torch::kInt64));
+  return kept;
 }
 
 }  // namespace
@@ -312,24 +312,24 @@ torch::Tensor kept_tokens(const float* high, const float* low, int64_t R, int64_
 // in some row (approx + bound >= the row's max of approx - bound), ascending; empty where more
 // than max_kept (or none) are. Each bound is summed beside its 8-bit output, in the same pass
 // over the weights (AVX512-VNNI or AVX2, as linear_i8).
-torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                        const torch::Tensor& bound, int64_t max_kept) {
+at::Tensor screen_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                     const at::Tensor& bound, int64_t max_kept) {
   const int64_t K = x.size(-1), N = q.size(0) * kGroup, C = q.size(2), B = K / 32;
-  const auto q_type = C == 8 && !kI8Vnni ? torch::kInt8 : torch::kUInt8;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && q.scalar_type() == q_type &&
+  const auto q_type = C == 8 && !kI8Vnni ? at::kChar : at::kByte;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && q.scalar_type() == q_type &&
               q.dim() == 4 && q.size(1) == B && K % 32 == 0 && (C == 4 || C == 8) && q.is_contiguous() &&
               scales.is_contiguous() && scales.numel() == N / kGroup * B * 32 &&
-              bound.scalar_type() == torch::kFloat32 && bound.is_contiguous() && bound.numel() == N * B,
+              bound.scalar_type() == at::kFloat && bound.is_contiguous() && bound.numel() == N * B,
               "screen_i8: x [R, K] fp32, q [N/16, K/32, 4 or 8, 64] uint8 (Q8_0 without VNNI: int8), "
               "scales [N/16, K/32, 2, 16], bound [N/16, K/32, 16]");
   const auto rows = x.contiguous();
   const int64_t R = rows.size(0);
   const float* xp = rows.data_ptr<float>();
   if (!std::all_of(xp, xp + R * K, [](float f) { return std::isfinite(f); }))
-    return torch::empty({0}, x.options().dtype(torch::kInt64));
-  auto qa = torch::empty({R, K}, x.options().dtype(torch::kInt8));
-  auto small = torch::empty({3, R, B}, x.options());  // da, sa, amax
-  auto high = torch::empty({R, N}, x.options()), low = torch::empty({R, N}, x.options());
+    return x.new_empty({0}, at::kLong);
+  auto qa = x.new_empty({R, K}, at::kChar);
+  auto small = x.new_empty({3, R, B});  // da, sa, amax
+  auto high = x.new_empty({R, N}), low = x.new_empty({R, N});
   float *da = small[0].data_ptr<float>(), *sa = small[1].data_ptr<float>(), *amax = small[2].data_ptr<float>();
   const auto w = static_cast<const uint8_t*>(q.data_ptr());
   const Bound b{bound.data_ptr<float>(), amax, low.data_ptr<float>()};
@@ -342,5 +342,8 @@ torch::Tensor screen_i8(const torch::Tensor& x, const torch::Tensor& q, const to
     (C == 4 ? matmul_avx2<true, true> : matmul_avx2<false, true>)(qa.data_ptr<int8_t>(), da, sa, R, K, w,
                                                                   scales.data_ptr<float>(), N, h, b);
   }
-  return kept_tokens(h, l, R, N, max_kept, x.options());
+  const auto kept = kept_tokens(h, l, R, N, max_kept);
+  auto out = x.new_empty({static_cast<int64_t>(kept.size())}, at::kLong);
+  std::copy(kept.begin(), kept.end(), out.data_ptr<int64_t>());
+  return out;
 }

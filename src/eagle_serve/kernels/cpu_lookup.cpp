@@ -61,17 +61,17 @@ CorpusWalk walk(const T* rev, const int32_t* sa, int64_t N, const std::vector<in
 
 }  // namespace
 
-CorpusWalk corpus_walk(const torch::Tensor& reverse, const torch::Tensor& suffixes,
+CorpusWalk corpus_walk(const at::Tensor& reverse, const at::Tensor& suffixes,
                        const std::vector<int64_t>& ctx, int64_t limit, double min_prob,
                        int64_t vote_cap) {
   TORCH_CHECK(reverse.dim() == 1 && suffixes.dim() == 1 && reverse.numel() == suffixes.numel() &&
               reverse.is_contiguous() && suffixes.is_contiguous() &&
-              suffixes.scalar_type() == torch::kInt32 && vote_cap > 0,
+              suffixes.scalar_type() == at::kInt && vote_cap > 0,
               "corpus_walk: reverse [N] int16/int32, suffixes [N] int32, contiguous");
   const int32_t* sa = suffixes.data_ptr<int32_t>();
   const int64_t N = suffixes.numel();
-  if (reverse.scalar_type() == torch::kInt16)
+  if (reverse.scalar_type() == at::kShort)
     return walk(reverse.data_ptr<int16_t>(), sa, N, ctx, limit, min_prob, vote_cap);
-  TORCH_CHECK(reverse.scalar_type() == torch::kInt32, "corpus_walk: reverse int16 or int32");
+  TORCH_CHECK(reverse.scalar_type() == at::kInt, "corpus_walk: reverse int16 or int32");
   return walk(reverse.data_ptr<int32_t>(), sa, N, ctx, limit, min_prob, vote_cap);
 }

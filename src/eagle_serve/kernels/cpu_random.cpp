@@ -9,6 +9,7 @@
 // is taken only where that bound beats the best score so far, which leaves the argmax as is.
 #include "cpu.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -42,10 +43,10 @@ int64_t race_row(const T* p, int64_t V, uint64_t key) {
 }  // namespace
 
 // keys [R] int64 -> [R, n] float64 uniforms of each key's stream
-torch::Tensor keyed_uniforms(const torch::Tensor& keys, int64_t n) {
-  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.dim() == 1 && n >= 0, "keyed_uniforms: keys [R] int64");
+at::Tensor keyed_uniforms(const at::Tensor& keys, int64_t n) {
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 && n >= 0, "keyed_uniforms: keys [R] int64");
   const auto k = keys.contiguous();
-  auto out = torch::empty({k.size(0), n}, torch::kFloat64);
+  auto out = k.new_empty({k.size(0), n}, at::kDouble);
   double* o = out.data_ptr<double>();
   for (int64_t r = 0; r < k.size(0); ++r)
     for (int64_t i = 0; i < n; ++i) o[r * n + i] = keyed_u(static_cast<uint64_t>(k.data_ptr<int64_t>()[r]), i);
@@ -53,15 +54,15 @@ torch::Tensor keyed_uniforms(const torch::Tensor& keys, int64_t n) {
 }
 
 // probs [R, V] float32 or float64 (rows need not sum to 1), keys [R] int64 -> [R] int64 winners
-torch::Tensor race(const torch::Tensor& probs, const torch::Tensor& keys) {
-  TORCH_CHECK(probs.dim() == 2 && keys.scalar_type() == torch::kInt64 && keys.numel() == probs.size(0),
+at::Tensor race(const at::Tensor& probs, const at::Tensor& keys) {
+  TORCH_CHECK(probs.dim() == 2 && keys.scalar_type() == at::kLong && keys.numel() == probs.size(0),
               "race: probs [R, V], keys [R] int64");
-  TORCH_CHECK(probs.scalar_type() == torch::kFloat32 || probs.scalar_type() == torch::kFloat64,
+  TORCH_CHECK(probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble,
               "race: float32 or float64 probs");
   const auto p = probs.contiguous();
   const auto k = keys.contiguous();
   const int64_t R = p.size(0), V = p.size(1);
-  auto out = torch::empty({R}, torch::kInt64);
+  auto out = k.new_empty({R});
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t* kp = k.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "race", [&] {
