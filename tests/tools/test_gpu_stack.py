@@ -234,7 +234,8 @@ def resolve(requirements: str, out: Path, *options: str) -> subprocess.Completed
     # --no-python-downloads: uv would fetch a CPython of the image's version to build sdists with
     # (there are none: binary only), retrying for ~10 s where only the package registries answer
     cmd = [find_uv_bin(), "pip", "compile", "--quiet", "--no-config", "--no-header", "--no-annotate",
-           "--no-python-downloads", "--index-url", "https://pypi.org/simple", "--cache-dir", str(out.parent / "uv-cache"),
+           "--no-python-downloads", "--index-url", "https://pypi.org/simple",
+           "--cache-dir", str(out.parent / "uv-cache"),
            "--only-binary", ":all:", "--python-version", stack("Python"),
            "--python-platform", f"x86_64-manylinux_2_{minor}", *options, "-o", str(out), str(source)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
