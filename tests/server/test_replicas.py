@@ -12,7 +12,6 @@ import concurrent.futures as futures
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from grafana import dashboard_queries, metric_names
 from triton_pool import get, post_json, wait_until
 
 from eagle_serve import paths
-from eagle_serve.server.launch import free_ports
+from eagle_serve.server.launch import bound_ports, ephemeral_ports, free_ports
 from eagle_serve.server.processes import find_server
 from eagle_serve.server.replicas import PORT_STEP, Ports
 from eagle_serve.triton_backend.repo_config import copy_repository
@@ -49,28 +48,15 @@ class Replicas:
 
 
 def port_block() -> dict[str, int]:
-    """Base ports such that replica i's ports (base + PORT_STEP i) and the router's are free."""
+    """Base ports such that replica i's ports (base + PORT_STEP i) and the router's are free,
+    all below the ephemeral range (launch.free_ports says why)."""
     for _ in range(50):
         base = free_ports(1)[0]
-        if base > 60000:
-            continue
         wanted = [base + d + PORT_STEP * i for i in range(2) for d in range(3)] + [base + d for d in range(5, 9)]
-        if free_ports_set(wanted) == set(wanted):
+        if max(wanted) < ephemeral_ports().start and bound_ports(wanted):
             return {"HTTP_PORT": base, "GRPC_PORT": base + 1, "METRICS_PORT": base + 2,
                     "OPENAI_PORT": base + 5, "ROUTER_PORT": base + 7, "ROUTER_METRICS_PORT": base + 8}
     raise RuntimeError("no free block of ports")
-
-
-def free_ports_set(ports: list[int]) -> set[int]:
-    free = set()
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("localhost", port))
-                free.add(port)
-            except OSError:
-                pass
-    return free
 
 
 def served(ports: Ports) -> int:

@@ -6,6 +6,7 @@ ends the Python backend stubs it spawned.
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import signal
 import socket
@@ -89,13 +90,43 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def free_ports(count: int) -> list[int]:
-    """Distinct ports the OS reports free right now (all bound at once, then released)."""
-    sockets = [socket.socket() for _ in range(count)]
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out as the local end of outgoing connections."""
     try:
-        for s in sockets:
-            s.bind(("localhost", 0))
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports free right now, below the ephemeral range: a server binds its ports only
+    once its models are loaded, seconds after they were chosen, and meanwhile any connection on
+    the machine may be given an ephemeral port (which bind(0) would pick) as its local end."""
+    top = ephemeral_ports().start
+    if top - FIRST_PORT < 1000:  # no room below it: the OS's choice
+        return bound_ports([0] * count)
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(FIRST_PORT, top)
+        if port not in ports and bound_ports([port]):
+            ports.append(port)
+    return ports
+
+
+FIRST_PORT = 10000  # free_ports stays above the usual services' ports (make serve's 8000-8002, ...)
+
+
+def bound_ports(ports: list[int]) -> list[int]:
+    """Bind each port (0: one the OS picks) at once, then release them -> the ports bound, or []
+    where one was taken."""
+    sockets = [socket.socket() for _ in ports]
+    try:
+        for s, port in zip(sockets, ports):
+            s.bind(("localhost", port))
         return [s.getsockname()[1] for s in sockets]
+    except OSError:
+        return []
     finally:
         for s in sockets:
             s.close()
