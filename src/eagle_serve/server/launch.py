@@ -23,6 +23,7 @@ from eagle_serve.settings import CONFIG_NAME_ENV
 
 READY_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
+FIRST_PORT = 10000  # free_ports stays above the usual services' ports (make serve's 8000-8002, ...)
 
 
 @dataclass
@@ -112,9 +113,6 @@ def free_ports(count: int) -> list[int]:
         if port not in ports and bound_ports([port]):
             ports.append(port)
     return ports
-
-
-FIRST_PORT = 10000  # free_ports stays above the usual services' ports (make serve's 8000-8002, ...)
 
 
 def bound_ports(ports: list[int]) -> list[int]:
