@@ -34,6 +34,7 @@ def uv_options(config: str) -> list[str]:
     sources["--index-url"] = [index_urls[scopes[0]]] if scopes else []
     return [part for flag, found in sources.items() for source in found for part in (flag, source)]
 
+
 if __name__ == "__main__":
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
                             text=True, check=True).stdout

@@ -128,16 +128,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"setup: {name:18s} ready in {time.time() - start:5.1f} s  ({where})", flush=True)
 
     # The kernels compile in a process of their own meanwhile: the conversion keeps one core
-    # busy, the compiler the others (a first `make setup` takes the longer of the two, not both).
+    # busy for seconds, which the compiler can use (docs/performance.md, Start-up).
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        start = time.time()
+        kernels_start = time.time()
         kernels = pool.submit(build_cpu_kernels)
         for name, step in [("tritonserver tree", lambda: prepare_tritonserver(paths.tritonserver_dir())),
                            ("default target", lambda: convert_default_target(paths.default_target_dir())),
                            ("default tokenizer", cache_default_tokenizer)]:
-            step_start = time.time()
-            report(name, step_start, step())
-        report("CPU kernels", start, kernels.result())
+            start = time.time()
+            where = step()
+            report(name, start, where)
+        report("CPU kernels", kernels_start, kernels.result())
 
 
 if __name__ == "__main__":
