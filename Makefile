@@ -27,7 +27,7 @@ $(PY):
 unexport PYTHONDONTWRITEBYTECODE
 
 # Re-install when the pins or the package metadata change. uv (pinned in requirements.txt)
-# installs what pip would, several times faster: from the sources pip is configured with
+# installs what pip would in about half its time: from the sources pip is configured with
 # (server/pip_sources.py), each version from whichever index has it, as pip picks (uv's default
 # takes a package from the first index that lists it). Where uv cannot (a certificate only pip
 # is given, say), pip does.

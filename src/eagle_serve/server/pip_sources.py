@@ -1,6 +1,6 @@
 """Prints uv's options for the package sources pip is configured with, from `pip config list`
 (pip's config files and its PIP_* variables), which uv does not read: `make setup` installs the
-pins with uv, several times faster than pip (docs/performance.md), from the same wheel folders
+pins with uv, in about half pip's time (docs/performance.md), from the same wheel folders
 and indexes pip would use (a mirror, or a local torch wheel). Run by path, before this package
 is installed: it imports only the standard library."""
 from __future__ import annotations
